@@ -1,0 +1,23 @@
+"""lightning-ft: per-step fault tolerance for PyTorch Lightning, built on torchft.
+
+Importing this package registers ``"ft"`` in Lightning's strategy registry, so ``Trainer(strategy="ft")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_ft.callbacks import ManagerCheckpointCallback, QuorumCallback, StateTransferCallback
+from lightning_ft.settings import FTConfigError
+from lightning_ft.strategy import FTStrategy
+
+__version__ = "0.1.0.dev0"
+
+FTStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "FTConfigError",
+    "FTStrategy",
+    "ManagerCheckpointCallback",
+    "QuorumCallback",
+    "StateTransferCallback",
+    "__version__",
+]

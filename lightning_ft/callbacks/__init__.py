@@ -1,0 +1,12 @@
+"""The fault-tolerance callbacks. FTStrategy adds each one that the user has not supplied; each can be replaced.
+
+* :class:`QuorumCallback` opens each optimizer step's quorum and keeps Lightning's step counters on committed steps.
+* :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
+* :class:`ManagerCheckpointCallback` stores the Manager's committed-step state in Lightning checkpoints.
+"""
+
+from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
+from lightning_ft.callbacks.quorum import QuorumCallback
+from lightning_ft.callbacks.transfer import StateTransferCallback
+
+__all__ = ["ManagerCheckpointCallback", "QuorumCallback", "StateTransferCallback"]

@@ -1,0 +1,35 @@
+"""How a callback finds the fault-tolerance parts of the running strategy.
+
+Callbacks do not import FTStrategy: any strategy that exposes a torchft ``manager`` and a ``step_protocol`` works.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from torchft import Manager
+
+from lightning_ft.commit import StepProtocol
+
+
+def has_ft_manager(trainer: pl.Trainer) -> bool:
+    try:
+        return isinstance(getattr(trainer.strategy, "manager", None), Manager)
+    except RuntimeError:  # FTStrategy outside fitting: no Manager exists
+        return False
+
+
+def ft_manager(trainer: pl.Trainer) -> Manager:
+    if not has_ft_manager(trainer):
+        raise RuntimeError(
+            f"This callback needs lightning_ft.FTStrategy (or a strategy exposing a torchft `manager`), but the "
+            f"trainer runs {type(trainer.strategy).__name__} (or is not fitting). Use Trainer(strategy='ft')."
+        )
+    return trainer.strategy.manager  # type: ignore[attr-defined]
+
+
+def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
+    ft_manager(trainer)
+    protocol = getattr(trainer.strategy, "step_protocol", None)
+    if not isinstance(protocol, StepProtocol):
+        raise RuntimeError("This callback needs a strategy exposing a lightning_ft StepProtocol as `step_protocol`.")
+    return protocol

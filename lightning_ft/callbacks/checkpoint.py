@@ -1,0 +1,38 @@
+"""The Manager's committed-step state inside Lightning checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ft.callbacks._access import ft_manager, has_ft_manager
+
+
+class ManagerCheckpointCallback(Callback):
+    """Saves ``Manager.state_dict()`` (``step``, ``batches_committed``) with every checkpoint and restores it.
+
+    torchft's Manager documents this as required: a job resumed from a checkpoint without it would restart the
+    committed-step count at 0 while the weights are from step N, and healing would pick the wrong source.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: pl.Trainer | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning restores callback state after `setup`, so the trainer (and its Manager) is known by then.
+        self._trainer = trainer
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._trainer is None or not has_ft_manager(self._trainer):
+            return {}
+        return {"manager": dict(ft_manager(self._trainer).state_dict())}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "manager" in state_dict and self._trainer is not None and has_ft_manager(self._trainer):
+            ft_manager(self._trainer).load_state_dict(state_dict["manager"])

@@ -1,0 +1,43 @@
+"""Open the quorum at optimizer-step boundaries; keep Lightning's counters on committed steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.callbacks._access import ft_step_protocol
+from lightning_ft.state import align_logger_step, align_step_counters
+
+
+class QuorumCallback(Callback):
+    """Starts each optimizer step's torchft quorum before the forward pass, once per accumulation window.
+
+    Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal
+    a behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
+    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only.
+    """
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        protocol = ft_step_protocol(trainer)
+        protocol.open_quorum()
+        committed = protocol.manager.current_step()
+        align_step_counters(trainer, committed)
+        align_logger_step(trainer, committed)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        protocol = ft_step_protocol(trainer)
+        committed = protocol.manager.current_step()
+        if protocol.decided:
+            events.emit("step", step=committed, committed=protocol.last_step_committed)
+        protocol.close()
+        align_step_counters(trainer, committed)

@@ -1,0 +1,48 @@
+"""Live state transfer: what a healing replica group receives from a live peer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.callbacks._access import ft_manager
+from lightning_ft.state import STATE_KEY, align_step_counters, apply_training_state, capture_training_state
+
+
+class StateTransferCallback(Callback):
+    """Registers the whole training state with the torchft Manager for healing.
+
+    The Manager calls :func:`~lightning_ft.state.capture_training_state` on a live peer and
+    :func:`~lightning_ft.state.apply_training_state` on the healing replica, on the training thread, at a safe point
+    (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's step
+    counters jump to the peer's committed step.
+    """
+
+    def __init__(self) -> None:
+        self._registered_with: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        manager = ft_manager(trainer)
+        if self._registered_with == id(manager):
+            return
+
+        def save() -> dict[str, Any]:
+            return capture_training_state(trainer)
+
+        def load(state: dict[str, Any]) -> None:
+            apply_training_state(trainer, state)
+            step = manager.current_step()
+            align_step_counters(trainer, step)
+            rank_zero_info(f"lightning-ft: healed from a live peer at committed step {step}")
+            events.emit("healed", step=step)
+
+        manager.register_state_dict_fn(STATE_KEY, load, save)
+        self._registered_with = id(manager)

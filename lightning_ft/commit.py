@@ -1,0 +1,113 @@
+"""The per-step protocol with the torchft Manager: one quorum, one commit vote, per optimizer step.
+
+torchft's own ``torchft.Optimizer`` cannot be used under Lightning: it asserts that ``step()`` gets no closure
+(Lightning always passes one), and it starts the quorum in ``zero_grad()``, which Lightning calls after the forward
+pass and only on accumulation boundaries. This module keeps the same protocol in a shape Lightning can drive:
+
+* :meth:`StepProtocol.open_quorum` at the first micro-batch of an optimizer step (idempotent while accumulating);
+* :meth:`StepProtocol.commit` once per step, after backward and the cross-group allreduce: torchft's
+  ``should_commit()`` vote. With manual optimization every optimizer of a batch shares the one decision;
+* :meth:`StepProtocol.close` when the batch that took the decision ends, so the next batch opens a new quorum.
+
+:class:`CommitGatedOptimizer` is the optimizer handed to Lightning's precision plugin. It lets the plugin run the
+closure (forward, backward, ``on_before_optimizer_step``, clipping, GradScaler unscaling) exactly as usual, and only
+steps the real optimizer when the vote says the step is committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim import Optimizer
+from torchft import Manager
+
+
+class QuorumNotStartedError(RuntimeError):
+    """Gradients were about to cross groups without a quorum for this step."""
+
+
+class StepProtocol:
+    """Tracks where the current optimizer step is in the quorum → allreduce → commit sequence."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self._quorum_open = False
+        self._decision: bool | None = None
+        self.last_step_committed: bool | None = None
+
+    @property
+    def quorum_open(self) -> bool:
+        return self._quorum_open
+
+    @property
+    def decided(self) -> bool:
+        return self._decision is not None
+
+    def open_quorum(self) -> None:
+        """Start this step's quorum unless one is already open (accumulation micro-batches share it).
+
+        With synchronous quorum a behind replica heals inside this call, before its forward pass.
+        """
+        if self._quorum_open:
+            return
+        self.manager.start_quorum()
+        self._quorum_open = True
+        self._decision = None
+
+    def require_quorum(self) -> None:
+        if not self._quorum_open:
+            raise QuorumNotStartedError(
+                "lightning-ft: gradients reached the cross-group allreduce but no quorum was started for this step. "
+                "The QuorumCallback starts it in on_train_batch_start; if you replaced that callback, call "
+                "trainer.strategy.start_quorum() at the first micro-batch of each optimizer step."
+            )
+
+    def commit(self) -> bool:
+        """torchft's commit vote, taken once per step. Later calls in the same batch reuse the decision.
+
+        A cross-group collective that fails *after* a positive decision (manual optimization with several
+        optimizers) would leave this replica silently different from its peers, so it is turned into a crash:
+        the group restarts and heals from a live peer.
+        """
+        if self._decision is not None:
+            if self._decision and self.manager.errored() is not None:
+                raise RuntimeError(
+                    "lightning-ft: a cross-group collective failed after this batch's commit decision. Stopping this "
+                    "replica group so that it restarts and heals instead of diverging from its peers."
+                ) from self.manager.errored().original_exception
+            return self._decision
+        self.require_quorum()
+        self._decision = self.manager.should_commit()
+        self.last_step_committed = self._decision
+        return self._decision
+
+    def close(self) -> None:
+        """End the step whose decision was taken; the next batch opens a new quorum."""
+        if self._decision is None:
+            return
+        self._quorum_open = False
+        self._decision = None
+
+
+class CommitGatedOptimizer:
+    """An optimizer view whose ``step`` runs the closure and then steps only if the step commits.
+
+    Everything else (``param_groups``, ``state``, ...) is the wrapped optimizer's, so precision plugins, gradient
+    clipping and ``on_before_optimizer_step`` see the real thing. Optimizers that re-evaluate the closure (LBFGS)
+    are not supported: the closure runs exactly once, because the gradients it produces are what the replicas agreed
+    to average.
+    """
+
+    def __init__(self, optimizer: Optimizer, protocol: StepProtocol) -> None:
+        self._optimizer = optimizer
+        self._protocol = protocol
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = closure() if closure is not None else None
+        if self._protocol.commit():
+            self._optimizer.step(**kwargs)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

@@ -1,0 +1,63 @@
+"""The embedded lighthouse: torchft's ``LighthouseServer`` running inside a Python process.
+
+Used in two places: by :class:`~lightning_ft.FTStrategy` when a single replica group runs with no lighthouse
+configured (so that ``python train.py`` just works), and by ``lightning-ft lighthouse`` / ``lightning-ft launch``.
+It is torchft's own Rust server; this module only picks safe defaults and a reachable address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from torchft.coordination import LighthouseServer
+
+LOOPBACK_BIND = "127.0.0.1:0"
+
+# Defaults for one machine. A dead group is declared dead after the heartbeat timeout, so the survivors stall for
+# about this long (measured: timeout + ~60 ms). torchft's own default is 5 s, sized for clusters.
+LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
+# After membership changes, how long the lighthouse waits for groups that heartbeat but have not asked to join yet
+# (a restarted group heartbeats from Manager creation, about a second before its first quorum request). The steady
+# state never waits: while every previous member is back, torchft forms a "fast quorum" at once.
+LOCAL_JOIN_TIMEOUT_MS = 10000
+
+
+@dataclass
+class EmbeddedLighthouse:
+    """A running lighthouse and the URL that clients should use to reach it."""
+
+    server: LighthouseServer
+    address: str
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+def start_lighthouse(
+    bind: str = LOOPBACK_BIND,
+    min_replicas: int = 1,
+    join_timeout_ms: int = LOCAL_JOIN_TIMEOUT_MS,
+    heartbeat_timeout_ms: int = LOCAL_HEARTBEAT_TIMEOUT_MS,
+    quorum_tick_ms: int | None = None,
+) -> EmbeddedLighthouse:
+    """Start a lighthouse on ``bind`` (``host:port``; port 0 picks a free one).
+
+    torchft reports its address with the machine's hostname. When bound to a specific IP (loopback, by default),
+    that hostname may not resolve to the bound address, so the URL is rebuilt from the bind host.
+    """
+    server = LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+    reported = server.address()
+    port = urlsplit(reported).port
+    host = bind.rsplit(":", 1)[0]
+    if host in ("", "[::]", "0.0.0.0"):
+        address = reported
+    else:
+        address = f"http://{host}:{port}"
+    return EmbeddedLighthouse(server=server, address=address)

@@ -1,0 +1,148 @@
+"""Every FTStrategy setting in one place: environment fallbacks and validation.
+
+Settings arrive from three places: constructor arguments (and so LightningCLI YAML), environment variables set by a
+launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``), and defaults. They are resolved and
+checked once, up front, so that a wrong value fails at construction with a message that names the setting and the
+fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+ProcessGroupName = Literal["auto", "gloo", "nccl"]
+TransportName = Literal["http", "pg"]
+
+PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
+TRANSPORTS: tuple[str, ...] = ("http", "pg")
+
+ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
+ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+
+
+class FTConfigError(ValueError):
+    """A lightning-ft setting has a value that cannot work. The message names the setting and the fix."""
+
+
+def _int_from_env(name: str, env: str, value: int | None, default: int) -> int:
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise FTConfigError(f"{name}: environment variable {env}={raw!r} is not an integer.") from None
+
+
+def _positive_seconds(name: str, seconds: float) -> timedelta:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+        raise FTConfigError(f"{name}={seconds!r}: must be a positive number of seconds, for example {name}=30.")
+    return timedelta(seconds=float(seconds))
+
+
+@dataclass(frozen=True)
+class FTSettings:
+    """The resolved, validated settings of one replica group member."""
+
+    replica_group_id: int
+    num_replica_groups: int
+    lighthouse: str | None
+    min_replica_size: int
+    use_async_quorum: bool
+    timeout: timedelta
+    quorum_timeout: timedelta
+    connect_timeout: timedelta
+    init_sync: bool
+    max_retries: int | None
+    process_group: ProcessGroupName
+    checkpoint_transport: TransportName
+    hostname: str
+    replica_id_prefix: str
+
+    @property
+    def replica_id(self) -> str:
+        """The id this group registers with the lighthouse.
+
+        torchft derives a global rank from its trailing digits, so the group id goes last.
+        """
+        return f"{self.replica_id_prefix}{self.replica_group_id}"
+
+    @property
+    def needs_embedded_lighthouse(self) -> bool:
+        return self.lighthouse is None
+
+
+def resolve_settings(
+    *,
+    replica_group_id: int | None,
+    num_replica_groups: int | None,
+    lighthouse: str | None,
+    min_replica_size: int,
+    use_async_quorum: bool,
+    timeout: float,
+    quorum_timeout: float,
+    connect_timeout: float,
+    init_sync: bool,
+    max_retries: int | None,
+    process_group: str,
+    checkpoint_transport: str,
+    hostname: str | None,
+    replica_id_prefix: str,
+) -> FTSettings:
+    """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
+    group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
+    num_groups = _int_from_env("num_replica_groups", ENV_NUM_REPLICA_GROUPS, num_replica_groups, 1)
+    lighthouse = lighthouse or os.environ.get(ENV_LIGHTHOUSE) or None
+
+    if num_groups < 1:
+        raise FTConfigError(f"num_replica_groups={num_groups}: must be at least 1.")
+    if not 0 <= group_id < num_groups:
+        raise FTConfigError(
+            f"replica_group_id={group_id} is outside [0, num_replica_groups={num_groups}). Give each group a distinct "
+            f"id below num_replica_groups (env {ENV_REPLICA_GROUP_ID} / {ENV_NUM_REPLICA_GROUPS})."
+        )
+    if min_replica_size < 1:
+        raise FTConfigError(f"min_replica_size={min_replica_size}: must be at least 1.")
+    if min_replica_size > num_groups:
+        raise FTConfigError(
+            f"min_replica_size={min_replica_size} is larger than num_replica_groups={num_groups}: no step could ever "
+            f"commit. Lower min_replica_size or raise num_replica_groups."
+        )
+    if lighthouse is None and num_groups > 1:
+        raise FTConfigError(
+            f"num_replica_groups={num_groups} needs one lighthouse shared by every group, but none was given. Set "
+            f"FTStrategy(lighthouse='http://host:port') or {ENV_LIGHTHOUSE}, or start the groups with "
+            f"`lightning-ft launch`, which runs one for you."
+        )
+    if lighthouse is not None and not lighthouse.startswith(("http://", "https://")):
+        raise FTConfigError(f"lighthouse={lighthouse!r}: expected a URL such as 'http://lighthouse-host:29510'.")
+    if process_group not in PROCESS_GROUPS:
+        raise FTConfigError(f"process_group={process_group!r}: choose one of {', '.join(PROCESS_GROUPS)}.")
+    if checkpoint_transport not in TRANSPORTS:
+        raise FTConfigError(f"checkpoint_transport={checkpoint_transport!r}: choose one of {', '.join(TRANSPORTS)}.")
+    if max_retries is not None and max_retries < 0:
+        raise FTConfigError(f"max_retries={max_retries}: must be None (retry forever) or a non-negative integer.")
+
+    return FTSettings(
+        replica_group_id=group_id,
+        num_replica_groups=num_groups,
+        lighthouse=lighthouse,
+        min_replica_size=min_replica_size,
+        use_async_quorum=use_async_quorum,
+        timeout=_positive_seconds("timeout", timeout),
+        quorum_timeout=_positive_seconds("quorum_timeout", quorum_timeout),
+        connect_timeout=_positive_seconds("connect_timeout", connect_timeout),
+        init_sync=init_sync,
+        max_retries=max_retries,
+        process_group=process_group,  # type: ignore[arg-type]
+        checkpoint_transport=checkpoint_transport,  # type: ignore[arg-type]
+        hostname=hostname or socket.gethostname(),
+        replica_id_prefix=replica_id_prefix,
+    )

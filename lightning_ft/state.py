@@ -1,0 +1,116 @@
+"""What "the training state" of a Lightning job is, for live transfer between replica groups.
+
+A healing group must leave the heal indistinguishable from its peer. That is more than the weights: every optimizer,
+every LR scheduler, the precision plugin (GradScaler), and the loop counters that Lightning derives decisions from.
+The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
+step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
+
+Deliberately *not* transferred: the data position. Each group reads its own shard, so the batch index within the
+epoch stays the group's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+STATE_KEY = "lightning"
+
+
+class IncompatibleReplicaError(RuntimeError):
+    """A peer's training state does not fit this replica (other model, other optimizers). Never loaded silently."""
+
+
+def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The state a peer needs to continue exactly where this replica is. Tensors are shared, not copied.
+
+    Sharing is safe: torchft serves the staged state only until ``should_commit()``, which waits for every reader
+    before the optimizer is allowed to step.
+    """
+    return {
+        "model": trainer.lightning_module.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
+        "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
+    }
+
+
+def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Load a peer's state into this replica, refusing anything that does not match its structure."""
+    _check_compatible(trainer, state)
+    module = trainer.lightning_module
+    try:
+        module.load_state_dict(state["model"], strict=True)
+    except RuntimeError as error:
+        raise IncompatibleReplicaError(f"the peer's model does not match this replica's model: {error}") from error
+    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
+        config.scheduler.load_state_dict(scheduler_state)
+    trainer.precision_plugin.load_state_dict(state["precision"])
+    trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
+
+
+def _check_compatible(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    for key, mine in (("optimizers", trainer.optimizers), ("lr_schedulers", trainer.lr_scheduler_configs)):
+        if len(state[key]) != len(mine):
+            raise IncompatibleReplicaError(
+                f"the peer has {len(state[key])} {key} but this replica has {len(mine)}: every replica group must run "
+                f"the same LightningModule and configure_optimizers()."
+            )
+    peer_model: dict[str, torch.Tensor] = state["model"]
+    for name, tensor in trainer.lightning_module.state_dict().items():
+        peer = peer_model.get(name)
+        if peer is not None and tuple(peer.shape) != tuple(tensor.shape):
+            raise IncompatibleReplicaError(
+                f"parameter {name!r} has shape {tuple(peer.shape)} on the peer but {tuple(tensor.shape)} here: "
+                f"every replica group must build the same model."
+            )
+
+
+def align_step_counters(trainer: pl.Trainer, committed_steps: int) -> None:
+    """Make ``trainer.global_step`` equal the number of committed steps.
+
+    Lightning counts an optimizer step whenever the ``optimizer_step`` hook returns, whether or not the parameters
+    changed. Under fault tolerance a step can be rejected by the commit vote, and a healed replica jumps to its
+    peer's step, so the counter that ``max_steps``, checkpoint names and loggers key off is reset from the Manager.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        total = loop.automatic_optimization.optim_progress.optimizer.step.total
+    else:
+        total = loop.manual_optimization.optim_step_progress.total
+    total.ready = committed_steps
+    total.completed = committed_steps
+
+
+def align_logger_step(trainer: pl.Trainer, committed_steps: int) -> None:
+    """Log this batch's metrics at the committed step, as Lightning does with its own step count at batch start."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = committed_steps
+
+
+def state_fingerprint(trainer: pl.Trainer) -> str:
+    """SHA-256 over the exact bytes of the model and optimizer state: equal fingerprints mean bit-identical replicas."""
+    digest = hashlib.sha256()
+    _hash_tree(digest, "model", trainer.lightning_module.state_dict())
+    for index, optimizer in enumerate(trainer.optimizers):
+        _hash_tree(digest, f"optimizer{index}", optimizer.state_dict())
+    return digest.hexdigest()
+
+
+def _hash_tree(digest: Any, prefix: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        digest.update(prefix.encode())
+        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            _hash_tree(digest, f"{prefix}.{key}", value[key])
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _hash_tree(digest, f"{prefix}[{index}]", item)
+    else:
+        digest.update(f"{prefix}={value!r}".encode())

@@ -1,0 +1,310 @@
+"""FTStrategy: Lightning data parallelism inside a replica group, torchft fault tolerance across groups.
+
+Topology
+--------
+A job is N *replica groups*. Each group is an ordinary Lightning DDP world of 1..K processes (one ``torchrun`` job,
+Lightning's own launcher, or a plain ``python`` process) whose torch default process group never leaves the group:
+Lightning broadcasts on it every batch, so a dead peer on it would hang everyone. One torchft ``Manager`` per group
+connects the groups: it forms a quorum of live groups each step, averages gradients between them, votes on whether
+the step commits, and streams the whole training state to a group that is behind (a restarted or late one).
+
+One optimizer step
+------------------
+1. ``QuorumCallback.on_train_batch_start`` opens the step's quorum (once per accumulation window). With synchronous
+   quorum, a group that is behind heals here, before its forward pass.
+2. Forward and backward run as usual. DDP reduces gradients inside the group; its comm hook
+   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager.
+3. :meth:`FTStrategy.optimizer_step` hands the precision plugin a
+   :class:`~lightning_ft.commit.CommitGatedOptimizer`: clipping, ``on_before_optimizer_step`` and GradScaler run as
+   usual, then the real optimizer steps only if ``should_commit()`` agrees. With asynchronous quorum, a group that is
+   behind heals inside that vote and then applies the averaged gradient of its peers.
+4. ``QuorumCallback.on_train_batch_end`` sets ``trainer.global_step`` to the Manager's committed step count, and
+   step-interval LR schedulers only advance when the step committed.
+
+Failure semantics
+-----------------
+* A peer group dying between steps: the survivors block in the next quorum until the lighthouse's heartbeat timeout
+  declares it dead, then carry on with the remaining groups (``min_replica_size`` permitting).
+* A peer group dying mid-allreduce: the survivors' step does not commit (parameters, optimizer state and learning
+  rate stay exactly as they were) and the next step proceeds without the dead group.
+* A process dying inside a group: the group's own collectives fail and the whole group exits; its launcher
+  (``torchrun --max-restarts``) restarts it and it heals from a live peer. The group is the unit of failure.
+* Never committed twice, never silently different: a healed group holds its peer's exact bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torchft import Manager
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.comm import FTCommState, ft_allreduce_hook
+from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
+from lightning_ft.manager import ManagerHandle, build_manager
+from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
+from lightning_ft.state import state_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class FTStrategy(DDPStrategy):
+    """Fault-tolerant data parallelism across replica groups with torchft.
+
+    Use it like ``DDPStrategy``: ``Trainer(strategy=FTStrategy())``, ``Trainer(strategy="ft")``, or
+    ``class_path: lightning_ft.FTStrategy`` in LightningCLI YAML. Start each replica group with the same script;
+    ``lightning-ft launch`` does that for you on one machine.
+
+    Args:
+        replica_group_id: This group's id in ``[0, num_replica_groups)``. Default: env ``REPLICA_GROUP_ID``, else 0.
+        num_replica_groups: The most groups the job will have; data is sharded over this many groups times the group
+            size. Default: env ``NUM_REPLICA_GROUPS``, else 1.
+        lighthouse: URL of the torchft lighthouse shared by all groups. Default: env ``TORCHFT_LIGHTHOUSE``; with
+            neither and a single group, one is started in this process.
+        min_replica_size: A step commits only if at least this many groups took part in it.
+        use_async_quorum: Compute the quorum during the forward pass (faster). A group that is behind then sits out
+            one step and heals inside the commit vote. With ``False`` it heals before its forward pass.
+        timeout: Seconds for cross-group collectives, the commit vote and state transfer.
+        quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
+        connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
+        init_sync: Heal every group from one peer at step 0, so groups may start from different random weights.
+            Set ``False`` only if every group initialises identically.
+        max_retries: Stop with an error after this many consecutive uncommitted steps. ``None`` retries forever.
+        process_group: Backend between groups: ``"gloo"``, ``"nccl"``, or ``"auto"`` (NCCL on CUDA, else Gloo).
+        checkpoint_transport: How a healing group receives state: ``"http"`` or ``"pg"`` (the cross-group
+            process group).
+        hostname: Address this group advertises to other groups for healing and its store. Default: the hostname.
+        replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
+        **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` and on to torch's
+            ``DistributedDataParallel`` (``find_unused_parameters`` is always ``True``, see ``_setup_model``).
+    """
+
+    strategy_name = "ft"
+
+    def __init__(
+        self,
+        replica_group_id: int | None = None,
+        num_replica_groups: int | None = None,
+        lighthouse: str | None = None,
+        min_replica_size: int = 1,
+        use_async_quorum: bool = True,
+        timeout: float = 60.0,
+        quorum_timeout: float = 60.0,
+        connect_timeout: float = 60.0,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        process_group: str = "auto",
+        checkpoint_transport: str = "http",
+        hostname: str | None = None,
+        replica_id_prefix: str = "lightning_ft_",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after a group's first
+        # step, so bucket i holds the same parameters in every group; a restarted group's first step would otherwise
+        # allreduce a different layout against its peers. torchft's own DDP wrapper forces it for the same reason.
+        if kwargs.get("find_unused_parameters", True) is not True:
+            raise FTConfigError(
+                "find_unused_parameters=False is not supported by FTStrategy: DDP would rebuild its gradient buckets "
+                "after a group's first step, so a restarted group's buckets would not line up with its peers'. "
+                "Remove the setting."
+            )
+        for unsupported in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(unsupported) is not None:
+                raise FTConfigError(f"{unsupported}: FTStrategy installs its own cross-group comm hook; remove it.")
+        kwargs["find_unused_parameters"] = True
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+        self.settings: FTSettings = resolve_settings(
+            replica_group_id=replica_group_id,
+            num_replica_groups=num_replica_groups,
+            lighthouse=lighthouse,
+            min_replica_size=min_replica_size,
+            use_async_quorum=use_async_quorum,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            init_sync=init_sync,
+            max_retries=max_retries,
+            process_group=process_group,
+            checkpoint_transport=checkpoint_transport,
+            hostname=hostname,
+            replica_id_prefix=replica_id_prefix,
+        )
+        self._handle: ManagerHandle | None = None
+        self._protocol: StepProtocol | None = None
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Fault-tolerant data parallelism across replica groups (torchft)",
+            override=True,
+        )
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def manager(self) -> Manager:
+        """This group's torchft Manager (exists from ``setup_environment`` on, while fitting)."""
+        if self._handle is None:
+            raise RuntimeError("FTStrategy.manager is only available while fitting, after setup_environment().")
+        return self._handle.manager
+
+    @property
+    def step_protocol(self) -> StepProtocol:
+        if self._protocol is None:
+            raise RuntimeError("FTStrategy.step_protocol is only available while fitting, after setup_environment().")
+        return self._protocol
+
+    @property
+    def replica_group_id(self) -> int:
+        return self.settings.replica_group_id
+
+    @property
+    def num_replica_groups(self) -> int:
+        return self.settings.num_replica_groups
+
+    def start_quorum(self) -> None:
+        """Open the quorum for the current optimizer step (no-op if already open)."""
+        self.step_protocol.open_quorum()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data as one big world of ``num_replica_groups × group size`` ranks, ordered by group, then rank."""
+        group_size = self.num_nodes * self.num_processes
+        return {
+            "num_replicas": self.settings.num_replica_groups * group_size,
+            "rank": self.settings.replica_group_id * group_size + self.global_rank,
+        }
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        events.configure(self.settings.replica_group_id, self.global_rank)
+        self._handle = build_manager(self.settings, self.global_rank, self.world_size, self.root_device)
+        self._protocol = StepProtocol(self._handle.manager)
+        self._add_default_callbacks(trainer)
+        events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+    def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
+        """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
+        from lightning_ft.callbacks import ManagerCheckpointCallback, QuorumCallback, StateTransferCallback
+
+        defaults = [QuorumCallback, StateTransferCallback, ManagerCheckpointCallback]
+        missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
+        trainer.callbacks[0:0] = missing
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._gate_step_lr_schedulers(trainer)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        state = FTCommState(
+            manager=self.manager,
+            group=None,
+            group_world_size=self.world_size,
+            before_allreduce=self.step_protocol.require_quorum,
+        )
+        self.model.register_comm_hook(state, ft_allreduce_hook)
+
+    def _gate_step_lr_schedulers(self, trainer: pl.Trainer) -> None:
+        """Step-interval LR schedulers advance only on a committed step.
+
+        Lightning steps them after every optimizer step, committed or not. The gate sits on the epoch loop's own
+        scheduler update, so the scheduler objects stay the user's own (``self.lr_schedulers()`` and
+        checkpoints see the real thing).
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        update: Callable[[str, bool], None] = epoch_loop.update_lr_schedulers
+        protocol = self.step_protocol
+
+        def update_if_committed(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and protocol.last_step_committed is False:
+                return
+            update(interval, update_plateau_schedulers)
+
+        epoch_loop.update_lr_schedulers = update_if_committed  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure through the precision plugin, then step only if the step commits.
+
+        GradScaler may skip ``optimizer.step()`` when it finds inf/NaN gradients; the commit vote is still taken,
+        because every rank of the group must take part in it exactly once per step. Gradients were averaged across
+        groups before unscaling, so every replica skips alike.
+        """
+        protocol = self.step_protocol
+        gated = CommitGatedOptimizer(optimizer, protocol)
+        output = self.precision_plugin.optimizer_step(
+            gated,  # type: ignore[arg-type]
+            model=model or self.lightning_module,
+            closure=closure,
+            **kwargs,
+        )
+        if not protocol.decided:
+            protocol.commit()
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        if events.enabled():
+            trainer = self.lightning_module.trainer
+            events.emit(
+                "finished",
+                step=self.manager.current_step(),
+                global_step=trainer.global_step,
+                fingerprint=state_fingerprint(trainer),
+            )
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._handle is not None:
+            self._handle.shutdown()
+            self._handle = None
+            self._protocol = None
