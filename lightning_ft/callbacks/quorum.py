@@ -38,6 +38,11 @@ class QuorumCallback(Callback):
         protocol = ft_step_protocol(trainer)
         committed = protocol.manager.current_step()
         if protocol.decided:
-            events.emit("step", step=committed, committed=protocol.last_step_committed)
+            events.emit(
+                "step",
+                step=committed,
+                committed=protocol.last_step_committed,
+                participants=protocol.manager.num_participants(),
+            )
         protocol.close()
         align_step_counters(trainer, committed)

@@ -1,0 +1,1 @@
+"""The ``lightning-ft`` command: ``lighthouse`` (torchft's lighthouse in the foreground) and ``launch``."""

@@ -1,0 +1,199 @@
+"""``lightning-ft launch``: a lighthouse plus N replica groups on this machine, each a torchrun job with restarts.
+
+This is deliberately thin. Restarting a failed group is torchrun's elastic agent's job (``--max-restarts``); healing
+it is torchft's. The launcher only starts the pieces with the right environment, labels their output, and stops
+everything it started when asked to. Across machines, use torchrun (or a scheduler) per group directly; see
+``docs/operations.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from lightning_ft.events import ENV_EVENTS_DIR
+from lightning_ft.lighthouse import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
+from lightning_ft.settings import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
+
+STOP_GRACE_SECONDS = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica-groups", type=int, required=True, help="number of replica groups (N)")
+    parser.add_argument("--nproc-per-group", type=int, default=1, help="processes per group (K, default: 1)")
+    parser.add_argument(
+        "--max-restarts", type=int, default=3, help="torchrun restarts per group before giving up (default: 3)"
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="fewest groups that may form a quorum (embedded lighthouse)"
+    )
+    parser.add_argument("--lighthouse", default=None, help="URL of an existing lighthouse; default: start one here")
+    parser.add_argument(
+        "--lighthouse-bind", default="127.0.0.1:0", help="bind address of the embedded lighthouse (default: loopback)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=LOCAL_HEARTBEAT_TIMEOUT_MS,
+        help="embedded lighthouse: declare a group dead after this long without a heartbeat (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=LOCAL_JOIN_TIMEOUT_MS,
+        help="embedded lighthouse: wait this long for heartbeating groups to join a new quorum (default: %(default)s)",
+    )
+    parser.add_argument("--events-dir", default=None, help=f"write the JSONL event log here (sets {ENV_EVENTS_DIR})")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command, e.g. -- python train.py")
+
+
+@dataclass
+class ReplicaGroup:
+    """One replica group: the torchrun job we started, in its own session so we can stop it as a whole."""
+
+    group_id: int
+    process: subprocess.Popen[bytes]
+
+
+def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) -> list[str]:
+    """A standalone torchrun job that runs ``cmd`` as a whole command (``--no-python``) in each worker."""
+    if cmd[0] in ("python", "python3"):
+        # The workers should use the interpreter (and so the environment) that runs the launcher.
+        cmd = [sys.executable, *cmd[1:]]
+    elif cmd[0].endswith(".py"):
+        cmd = [sys.executable, *cmd]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc_per_group}",
+        f"--max-restarts={max_restarts}",
+        "--no-python",
+        *cmd,
+    ]
+
+
+def group_environment(group_id: int, num_groups: int, lighthouse: str, events_dir: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env[ENV_REPLICA_GROUP_ID] = str(group_id)
+    env[ENV_NUM_REPLICA_GROUPS] = str(num_groups)
+    env[ENV_LIGHTHOUSE] = lighthouse
+    # Restarted gloo workers cannot connect through torchrun's shared rendezvous store (pytorch issue 135712).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if events_dir:
+        env[ENV_EVENTS_DIR] = os.path.abspath(events_dir)
+    return env
+
+
+def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> None:
+    prefix = f"[group {group_id}] "
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(prefix + line + "\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def _stop_groups(groups: list[ReplicaGroup]) -> None:
+    """SIGTERM each torchrun job we started (its agent stops its workers), then SIGKILL what is left of them."""
+    for group in groups:
+        if group.process.poll() is None:
+            group.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for group in groups:
+        try:
+            group.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            # The group runs in the session we created for it, whose id is the torchrun PID we started.
+            os.killpg(group.process.pid, signal.SIGKILL)
+            group.process.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("lightning-ft launch: give the training command after --, e.g. -- python train.py", file=sys.stderr)
+        return 2
+    if args.replica_groups < 1 or args.nproc_per_group < 1 or args.max_restarts < 0:
+        print(
+            "lightning-ft launch: --replica-groups and --nproc-per-group must be >= 1, --max-restarts >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    if args.min_replicas > args.replica_groups:
+        print(
+            f"lightning-ft launch: --min-replicas={args.min_replicas} exceeds --replica-groups={args.replica_groups}; "
+            f"no quorum could ever form.",
+            file=sys.stderr,
+        )
+        return 2
+
+    lighthouse = None
+    url = args.lighthouse
+    if url is None:
+        lighthouse = start_lighthouse(
+            bind=args.lighthouse_bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        )
+        url = lighthouse.address
+    print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s)", flush=True)
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+
+    lock = threading.Lock()
+    groups: list[ReplicaGroup] = []
+    relays: list[threading.Thread] = []
+    try:
+        for group_id in range(args.replica_groups):
+            process = subprocess.Popen(
+                torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
+                env=group_environment(group_id, args.replica_groups, url, args.events_dir),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            groups.append(ReplicaGroup(group_id, process))
+            relay = threading.Thread(target=_relay_output, args=(group_id, process.stdout, lock), daemon=True)
+            relay.start()
+            relays.append(relay)
+
+        while not stop.is_set() and any(group.process.poll() is None for group in groups):
+            stop.wait(0.2)
+    finally:
+        _stop_groups(groups)
+        for relay in relays:
+            relay.join(timeout=5)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+
+    if stop.is_set():
+        print("lightning-ft launch: stopped on request; every group was shut down", flush=True)
+        return 130
+    failed = [group for group in groups if group.process.returncode != 0]
+    for group in failed:
+        print(
+            f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "
+            f"using up --max-restarts={args.max_restarts}; its output is above, prefixed [group {group.group_id}].",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 1 if failed else 0

@@ -1,0 +1,33 @@
+"""Entry point of the ``lightning-ft`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_ft.cli import launch, lighthouse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-ft", description="Fault-tolerant PyTorch Lightning on torchft.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    lighthouse.add_arguments(commands.add_parser("lighthouse", help="run a torchft lighthouse in the foreground"))
+    launch.add_arguments(
+        commands.add_parser(
+            "launch",
+            help="run N replica groups on this machine, each a torchrun job with restarts",
+            usage="lightning-ft launch --replica-groups N [options] -- CMD ...",
+        )
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "lighthouse":
+        return lighthouse.run(args)
+    return launch.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""A training script for the multi-process tests: one replica-group process under FTStrategy.
+
+Started by ``lightning-ft launch`` (so under torchrun). Each group seeds its model differently, so bit-identical
+replicas at the end prove that healing and ``init_sync`` did their job rather than equal seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ft  # noqa: F401  registers "ft"
+from lightning_ft import FTStrategy
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, lr: float = 0.01, manual: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.lr = lr
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def dataset(size: int = 8192) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(size, 16, generator=generator)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(size, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+class HoldUntilFile(pl.Callback):
+    """Pause at one committed step until the test creates a file (with a deadline), so the run cannot end first."""
+
+    def __init__(self, step: int, path: str, deadline_s: float = 120.0) -> None:
+        self.step, self.path, self.deadline_s = step, Path(path), deadline_s
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + self.deadline_s
+        while not self.path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hold at step {self.step}: {self.path} did not appear in {self.deadline_s}s")
+            time.sleep(0.01)
+
+
+class SaveFinalState(pl.Callback):
+    """Write every replica's final model, optimizer and scheduler state for the test to compare."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, FTStrategy)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": pl_module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
+            "global_step": trainer.global_step,
+            "manager_step": strategy.manager.current_step(),
+            "batches_committed": strategy.manager.batches_committed(),
+        }
+        name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
+        torch.save(state, self.out_dir / name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--async-quorum", type=int, default=1)
+    parser.add_argument("--transport", default="http")
+    parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--hold-at-step", type=int, default=None)
+    parser.add_argument("--hold-until-file", default=None)
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args()
+
+    group = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    torch.manual_seed(100 + group)  # different initial weights per group: init_sync must make them equal
+    torch.set_num_threads(1)
+
+    callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir)]
+    if args.hold_at_step is not None:
+        callbacks.append(HoldUntilFile(args.hold_at_step, args.hold_until_file))
+    trainer = pl.Trainer(
+        strategy=FTStrategy(
+            use_async_quorum=bool(args.async_quorum),
+            checkpoint_transport=args.transport,
+            timeout=30,
+            quorum_timeout=60,
+            connect_timeout=30,
+        ),
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
+    trainer.fit(Regressor(manual=args.manual), loader)
+
+
+if __name__ == "__main__":
+    main()
