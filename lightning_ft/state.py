@@ -93,6 +93,27 @@ def align_logger_step(trainer: pl.Trainer, committed_steps: int) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = committed_steps
 
 
+def broadcast_state_in_group(trainer: pl.Trainer) -> None:
+    """Overwrite the model and optimizer state of every group rank with group rank 0's, in place.
+
+    Needed once, after the job's first committed step. With ``init_sync``, torchft chooses the step-0 heal source
+    *per group rank* (rank r heals from the r-th up-to-date group), which suits sharded state but leaves the ranks
+    of a data-parallel group holding different groups' initial weights. Rank 0 of every group ends step 1 with the
+    same state, so copying it across each group makes every replica identical. Tensors go one by one in a fixed
+    order (state-dict order, then each optimizer's parameter order), which every rank shares.
+    """
+    import torch.distributed as dist
+
+    tensors = list(trainer.lightning_module.state_dict().values())
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                tensors.extend(state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor))
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0)
+
+
 def state_fingerprint(trainer: pl.Trainer) -> str:
     """SHA-256 over the exact bytes of the model and optimizer state: equal fingerprints mean bit-identical replicas."""
     digest = hashlib.sha256()

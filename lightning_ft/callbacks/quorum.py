@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_step_protocol
-from lightning_ft.state import align_logger_step, align_step_counters
+from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 
 
 class QuorumCallback(Callback):
@@ -18,7 +18,9 @@ class QuorumCallback(Callback):
 
     Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal
     a behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
-    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only.
+    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. After the job's
+    first committed step, groups of several processes re-align their ranks (see
+    :func:`~lightning_ft.state.broadcast_state_in_group`).
     """
 
     @override
@@ -44,5 +46,7 @@ class QuorumCallback(Callback):
                 committed=protocol.last_step_committed,
                 participants=protocol.manager.num_participants(),
             )
+            if protocol.last_step_committed and committed == 1 and trainer.world_size > 1:
+                broadcast_state_in_group(trainer)
         protocol.close()
         align_step_counters(trainer, committed)

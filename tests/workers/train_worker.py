@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -50,20 +51,31 @@ def dataset(size: int = 8192) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-class HoldUntilFile(pl.Callback):
-    """Pause at one committed step until the test creates a file (with a deadline), so the run cannot end first."""
+class TestGates(pl.Callback):
+    """File gates the test controls, each waited on with a deadline.
 
-    def __init__(self, step: int, path: str, deadline_s: float = 120.0) -> None:
-        self.step, self.path, self.deadline_s = step, Path(path), deadline_s
+    * ``<dir>/go``: training starts only once it exists. The test creates it when every group's Manager is up, so
+      the first quorum includes every group and no group races ahead alone.
+    * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
+    """
+
+    def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
+        self.directory, self.group, self.deadline_s = Path(directory), group, deadline_s
+
+    def _wait(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"test gate: {what} did not happen within {self.deadline_s}s")
+            time.sleep(0.01)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        go = self.directory / "go"
+        self._wait(go.exists, f"{go} to appear")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_step != self.step:
-            return
-        deadline = time.monotonic() + self.deadline_s
-        while not self.path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"hold at step {self.step}: {self.path} did not appear in {self.deadline_s}s")
-            time.sleep(0.01)
+        pause = self.directory / f"pause.group{self.group}"
+        self._wait(lambda: not pause.exists(), f"{pause} to disappear")
 
 
 class SaveFinalState(pl.Callback):
@@ -98,8 +110,7 @@ def main() -> None:
     parser.add_argument("--async-quorum", type=int, default=1)
     parser.add_argument("--transport", default="http")
     parser.add_argument("--manual", action="store_true")
-    parser.add_argument("--hold-at-step", type=int, default=None)
-    parser.add_argument("--hold-until-file", default=None)
+    parser.add_argument("--gate-dir", default=None)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
 
@@ -108,8 +119,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir)]
-    if args.hold_at_step is not None:
-        callbacks.append(HoldUntilFile(args.hold_at_step, args.hold_until_file))
+    if args.gate_dir is not None:
+        callbacks.append(TestGates(args.gate_dir, group))
     trainer = pl.Trainer(
         strategy=FTStrategy(
             use_async_quorum=bool(args.async_quorum),

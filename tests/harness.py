@@ -1,0 +1,156 @@
+"""Real-process test harness: run ``lightning-ft launch`` with the test worker, watch its event log, kill by PID.
+
+Every wait has a deadline and says what it was waiting for. Cleanup stops only what the test started: the launcher
+(by PID, then its own session), which in turn stops the torchrun jobs it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from lightning_ft.events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "train_worker.py"
+T = TypeVar("T")
+
+
+@dataclass
+class LaunchedJob:
+    process: subprocess.Popen[bytes]
+    root: Path
+    log_file: Any = field(repr=False)
+
+    @property
+    def events_dir(self) -> Path:
+        return self.root / "events"
+
+    @property
+    def out_dir(self) -> Path:
+        return self.root / "out"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "launch.log"
+
+    def events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        if not self.events_dir.exists():
+            return []
+        return [
+            record
+            for record in read_events(self.events_dir)
+            if (event is None or record["event"] == event) and all(record.get(k) == v for k, v in match.items())
+        ]
+
+    def wait_for(self, what: str, condition: Callable[[], T | None], timeout: float = 120.0) -> T:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"launcher exited ({self.process.returncode}) while waiting for {what}\n{self.tail()}"
+                )
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.tail()}")
+
+    def worker_pid(self, group: int, rank: int, attempt: int) -> int:
+        started = self.events("started", group=group, rank=rank, attempt=attempt)
+        return started[-1]["pid"] if started else 0
+
+    def committed_steps(self, group: int, rank: int = 0, pid: int | None = None) -> list[int]:
+        steps = self.events("step", group=group, rank=rank, committed=True)
+        return [record["step"] for record in steps if pid is None or record["pid"] == pid]
+
+    def wait_exit(self, timeout: float = 240.0) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher still running after {timeout}s\n{self.tail()}") from None
+
+    def final_states(self) -> dict[tuple[int, int], dict[str, Any]]:
+        states = {}
+        for path in sorted(self.out_dir.glob("final.group*.rank*.pt")):
+            group, rank = path.name.removeprefix("final.group").removesuffix(".pt").split(".rank")
+            states[(int(group), int(rank))] = torch.load(path, weights_only=True)
+        return states
+
+    def tail(self, lines: int = 60) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the launcher we started: SIGTERM (it stops its groups), then SIGKILL its session as a last resort."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.log_file.close()
+
+
+def launch_job(
+    root: Path,
+    *,
+    groups: int,
+    worker_args: list[str],
+    nproc_per_group: int = 1,
+    max_restarts: int = 2,
+    launcher_args: list[str] | None = None,
+) -> LaunchedJob:
+    root.mkdir(parents=True, exist_ok=True)
+    log_file = open(root / "launch.log", "wb")  # noqa: SIM115 - closed by LaunchedJob.stop
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_ft.cli.main",
+        "launch",
+        f"--replica-groups={groups}",
+        f"--nproc-per-group={nproc_per_group}",
+        f"--max-restarts={max_restarts}",
+        f"--events-dir={root / 'events'}",
+        *(launcher_args or []),
+        "--",
+        "python",
+        str(WORKER),
+        f"--out-dir={root / 'out'}",
+        *(arg.format(root=root) for arg in worker_args),
+    ]
+    process = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return LaunchedJob(process=process, root=root, log_file=log_file)
+
+
+def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
+    """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
+    (first_key, first), *others = sorted(states.items())
+    for key, state in others:
+        _assert_tree_equal(first, state, f"{first_key} vs {key}")
+
+
+def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"keys differ at {where}: {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            _assert_tree_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"length differs at {where}"
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_tree_equal(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"

@@ -1,0 +1,114 @@
+"""Kill a replica group for real and check what survives: real lighthouse, torchrun restarts, SIGKILL by PID.
+
+The test drives timing through file gates in the worker (see ``TestGates``), never through sleeps: all groups start
+together, the victim is killed after committing steps with its peer, the survivor must commit on its own, and is
+then paused (Manager still heartbeating) until torchrun has restarted the victim, so the run cannot end before the
+restarted group rejoins.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from harness import LaunchedJob, assert_bit_identical
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+GATES = ["--gate-dir={root}"]
+
+
+def start_together(job: LaunchedJob, groups: int, nproc: int) -> None:
+    job.wait_for(
+        "every worker's Manager to start",
+        lambda: all(job.worker_pid(g, r, attempt=0) for g in range(groups) for r in range(nproc)),
+    )
+    (job.root / "go").touch()
+
+
+def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int) -> float:
+    """SIGKILL ``victim``'s worker ``rank`` after it committed steps together with its peer; let the survivor
+    commit alone; pause the survivor until torchrun has restarted the victim. Returns the time of the kill."""
+    pid = job.worker_pid(victim, rank, attempt=0)
+    job.wait_for(
+        f"group {victim} to commit 3 steps with its peer",
+        lambda: (
+            len(
+                [
+                    e
+                    for e in job.events("step", group=victim, rank=rank, pid=pid, committed=True)
+                    if e["participants"] == 2
+                ]
+            )
+            >= 3
+        ),
+    )
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    job.wait_for(
+        f"group {survivor} to commit 3 steps on its own",
+        lambda: (
+            len(
+                [
+                    e
+                    for e in job.events("step", group=survivor, rank=0, committed=True)
+                    if e["time"] > killed_at and e["participants"] == 1
+                ]
+            )
+            >= 3
+        ),
+    )
+    pause = job.root / f"pause.group{survivor}"
+    pause.touch()
+    job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, rank, attempt=1))
+    pause.unlink()
+    return killed_at
+
+
+def assert_outcome(job: LaunchedJob, *, restarted: int, max_steps: int, replicas: int) -> None:
+    assert job.wait_exit() == 0, job.tail()
+
+    restarted_pid = job.worker_pid(restarted, 0, attempt=1)
+    heals = job.events("healed", group=restarted, pid=restarted_pid)
+    assert heals and heals[0]["step"] > 0, f"restarted group {restarted} never healed from a live peer\n{job.tail()}"
+
+    states = job.final_states()
+    assert len(states) == replicas, f"expected {replicas} final states, got {sorted(states)}\n{job.tail()}"
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
+        assert state["manager_step"] == max_steps, f"{key}: manager step {state['manager_step']} != {max_steps}"
+    assert_bit_identical(states)
+    fingerprints = {record["fingerprint"] for record in job.events("finished")}
+    assert len(fingerprints) == 1, fingerprints
+
+
+@pytest.mark.parametrize(
+    ("async_quorum", "transport"),
+    [pytest.param(1, "http", id="async-http"), pytest.param(0, "pg", id="sync-pg")],
+)
+def test_sigkill_one_of_two_groups(launch, async_quorum, transport):
+    """2 groups x 1 process: the survivor keeps committing, the restarted group heals, replicas end identical."""
+    max_steps = 60
+    job = launch(
+        groups=2,
+        worker_args=[f"--max-steps={max_steps}", f"--async-quorum={async_quorum}", f"--transport={transport}", *GATES],
+    )
+    start_together(job, groups=2, nproc=1)
+    kill_and_restart(job, victim=1, rank=0, survivor=0)
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+
+
+def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
+    """2 groups x 2 processes (torchrun), accumulation and clipping: killing one rank restarts its whole group,
+    which gets a fresh store, heals, and rejoins."""
+    max_steps = 40
+    job = launch(
+        groups=2,
+        nproc_per_group=2,
+        worker_args=[f"--max-steps={max_steps}", "--accumulate=2", "--clip=0.5", *GATES],
+    )
+    start_together(job, groups=2, nproc=2)
+    kill_and_restart(job, victim=1, rank=1, survivor=0)
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=4)
