@@ -1,0 +1,130 @@
+"""The `lightning-ft` command and the LightningCLI YAML path, run as real processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import REPO
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAIN = REPO / "examples" / "train.py"
+CONFIG = REPO / "examples" / "configs" / "ft.yaml"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run(args: list[str], timeout: float = 150, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=cwd)
+
+
+def lightning_ft(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lightning_ft.cli.main", *args]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status  # exited, waiting to be reaped by init
+
+
+def test_yaml_class_path_trains_one_group_with_an_embedded_lighthouse(tmp_path):
+    result = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", "--trainer.max_steps=3",
+                  "--trainer.enable_progress_bar=false"], cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max_steps=3` reached" in result.stdout + result.stderr
+
+
+def test_command_line_class_path_and_init_args_reach_the_strategy():
+    result = run([sys.executable, str(TRAIN), "fit", "--trainer.strategy=lightning_ft.FTStrategy",
+                  "--trainer.strategy.use_async_quorum=false", "--trainer.strategy.min_replica_size=1",
+                  "--print_config"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "class_path: lightning_ft.FTStrategy" in result.stdout
+    assert "use_async_quorum: false" in result.stdout
+
+
+def test_invalid_yaml_value_fails_fast_naming_the_setting():
+    started = time.monotonic()
+    result = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", "--trainer.strategy.init_args.timeout=-1"])
+    assert result.returncode != 0
+    assert "timeout=-1" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_launch_reports_a_group_that_runs_out_of_restarts():
+    result = run(lightning_ft("launch", "--replica-groups=1", "--max-restarts=1", "--",
+                              "python", "-c", "print('about to fail'); raise SystemExit(3)"))  # fmt: skip
+    assert result.returncode == 1
+    assert "[group 0] about to fail" in result.stdout
+    assert "replica group 0 failed" in result.stderr and "--max-restarts=1" in result.stderr
+
+
+def test_launch_sets_the_group_environment_and_exits_zero_when_all_groups_finish():
+    script = (
+        "import os; print('env', os.environ['REPLICA_GROUP_ID'], os.environ['NUM_REPLICA_GROUPS'], "
+        "os.environ['TORCHFT_LIGHTHOUSE'].startswith('http://127.0.0.1:'), os.environ['OMP_NUM_THREADS'])"
+    )
+    result = run(lightning_ft("launch", "--replica-groups=2", "--", "python", "-c", script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[group 0] env 0 2 True 1" in result.stdout
+    assert "[group 1] env 1 2 True 1" in result.stdout
+
+
+def test_launch_stops_everything_it_started_on_sigterm(tmp_path):
+    script = (
+        f"import os, time; open(f'{tmp_path}/pid.' + os.environ['REPLICA_GROUP_ID'], 'w').write(str(os.getpid()));"
+        " time.sleep(600)"
+    )
+    launcher = subprocess.Popen(lightning_ft("launch", "--replica-groups=2", "--", "python", "-c", script),
+                                env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid.{g}").exists() and (tmp_path / f"pid.{g}").read_text() for g in (0, 1)):
+            assert time.monotonic() < deadline, "workers did not start"
+            assert launcher.poll() is None, launcher.stdout.read().decode()
+            time.sleep(0.05)
+        workers = [int((tmp_path / f"pid.{g}").read_text()) for g in (0, 1)]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 130
+        deadline = time.monotonic() + 30
+        while not all(process_gone(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"workers {workers} still running after the launcher stopped"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def test_lighthouse_command_serves_until_sigterm():
+    process = subprocess.Popen(lightning_ft("lighthouse", "--bind=127.0.0.1:0"), env=clean_env(), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        with socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=5):
+            pass
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,61 @@
+"""Settings: environment fallbacks, and clear errors that name the setting and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ft import FTConfigError, FTStrategy
+
+
+def test_environment_fallbacks(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    settings = FTStrategy().settings
+    assert (settings.replica_group_id, settings.num_replica_groups) == (2, 4)
+    assert settings.lighthouse == "http://lighthouse:29510"
+    assert settings.replica_id == "lightning_ft_2"
+
+
+def test_arguments_win_over_environment(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    settings = FTStrategy(replica_group_id=0, num_replica_groups=1).settings
+    assert (settings.replica_group_id, settings.num_replica_groups, settings.lighthouse) == (0, 1, None)
+
+
+def test_single_group_defaults_need_no_lighthouse(monkeypatch):
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    assert FTStrategy().settings.needs_embedded_lighthouse
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"min_replica_size": 3, "num_replica_groups": 2, "lighthouse": "http://h:1"}, "min_replica_size"),
+        ({"min_replica_size": 0}, "min_replica_size"),
+        ({"timeout": 0}, "timeout"),
+        ({"quorum_timeout": -5}, "quorum_timeout"),
+        ({"connect_timeout": "soon"}, "connect_timeout"),
+        ({"process_group": "mpi"}, "process_group"),
+        ({"checkpoint_transport": "ftp"}, "checkpoint_transport"),
+        ({"replica_group_id": 2, "num_replica_groups": 2, "lighthouse": "http://h:1"}, "replica_group_id"),
+        ({"num_replica_groups": 2}, "TORCHFT_LIGHTHOUSE"),
+        ({"lighthouse": "lighthouse:29510"}, "lighthouse"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"find_unused_parameters": False}, "find_unused_parameters"),
+        ({"ddp_comm_hook": print}, "ddp_comm_hook"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_setting(monkeypatch, kwargs, names):
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(FTConfigError, match=names):
+        FTStrategy(**kwargs)
+
+
+def test_non_integer_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "one")
+    with pytest.raises(FTConfigError, match="REPLICA_GROUP_ID"):
+        FTStrategy()

@@ -1,0 +1,210 @@
+"""Step semantics under FTStrategy, on one real replica group (real Manager, in-process lighthouse, gloo).
+
+A step that does not commit is produced the way it happens in production: an error is reported to the Manager
+before the vote (as a failed cross-group allreduce does), so ``should_commit()`` itself says no.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ft import FTStrategy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, scheduler: bool = True) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.with_scheduler = scheduler
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        if not self.with_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loader(n: int = 512, batch_size: int = 8) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=batch_size)
+
+
+def trainer(strategy: Any = "ft", callbacks: list[pl.Callback] | None = None, **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(strategy=strategy, callbacks=callbacks or [], **{**defaults, **kwargs})
+
+
+class CountCalls(pl.Callback):
+    """Counts the Manager's quorum and commit calls (the real methods still run)."""
+
+    def __init__(self) -> None:
+        self.quorums = 0
+        self.votes = 0
+        self.step_pairs: list[tuple[int, int]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        manager = trainer.strategy.manager
+        start_quorum, should_commit = manager.start_quorum, manager.should_commit
+
+        def counted_quorum(*args: Any, **kwargs: Any) -> None:
+            self.quorums += 1
+            start_quorum(*args, **kwargs)
+
+        def counted_vote(*args: Any, **kwargs: Any) -> bool:
+            self.votes += 1
+            return should_commit(*args, **kwargs)
+
+        manager.start_quorum, manager.should_commit = counted_quorum, counted_vote
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step_pairs.append((trainer.global_step, trainer.strategy.manager.current_step()))
+
+
+def test_registered_as_ft_strategy():
+    assert isinstance(trainer("ft").strategy, FTStrategy)
+
+
+def test_sampler_shards_over_groups_by_group_id_then_rank():
+    strategy = FTStrategy(replica_group_id=2, num_replica_groups=3, lighthouse="http://localhost:1")
+    trainer(strategy)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 2}
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_global_step_is_the_committed_step_with_one_quorum_and_one_vote_per_optimizer_step(accumulate):
+    counter = CountCalls()
+    run = trainer(callbacks=[counter], max_steps=6, accumulate_grad_batches=accumulate)
+    run.fit(Regressor(), loader())
+    assert run.global_step == 6
+    assert counter.quorums == 6 and counter.votes == 6
+    assert counter.step_pairs and all(global_step == committed for global_step, committed in counter.step_pairs)
+
+
+class RejectOneStep(pl.Callback):
+    """Reports an error to the Manager before the vote of batch ``index``; records state around that batch."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.before: dict[str, Any] = {}
+        self.after: dict[str, Any] = {}
+
+    @staticmethod
+    def snapshot(trainer: pl.Trainer) -> dict[str, Any]:
+        return copy.deepcopy(
+            {
+                "params": trainer.lightning_module.state_dict(),
+                "optimizer": trainer.optimizers[0].state_dict(),
+                "lr": [group["lr"] for group in trainer.optimizers[0].param_groups],
+                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "global_step": trainer.global_step,
+            }
+        )
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.index:
+            self.before = self.snapshot(trainer)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == self.index:
+            trainer.strategy.manager.report_error(RuntimeError("injected: cross-group allreduce failed"))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if idx == self.index:
+            self.after = self.snapshot(trainer)
+
+
+def test_uncommitted_step_changes_nothing_learning_rate_included():
+    reject = RejectOneStep(index=3)
+    run = trainer(callbacks=[reject], max_steps=6)
+    run.fit(Regressor(), loader())
+
+    assert reject.before and reject.after
+    assert reject.after["global_step"] == reject.before["global_step"] == 3
+    assert reject.after["lr"] == reject.before["lr"]
+    assert reject.after["scheduler"] == reject.before["scheduler"]
+    for name, tensor in reject.before["params"].items():
+        assert torch.equal(tensor, reject.after["params"][name]), name
+    assert _tree_equal(reject.before["optimizer"], reject.after["optimizer"])
+    # the rejected batch is not counted: 6 committed steps took 7 batches
+    assert run.global_step == 6
+    assert run.fit_loop.epoch_loop.batch_progress.total.completed == 7
+    assert run.lr_scheduler_configs[0].scheduler.last_epoch == 6
+
+
+def _tree_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_tree_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_accumulation_and_clipping_match_a_single_process_reference():
+    def train(strategy: Any) -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        model = Regressor()
+        # Lightning always shuffles under a distributed sampler; both runs read the same sequential batches here.
+        run = trainer(
+            strategy, max_steps=5, accumulate_grad_batches=2, gradient_clip_val=0.3, use_distributed_sampler=False
+        )
+        run.fit(model, loader())
+        assert run.global_step == 5
+        return model.state_dict()
+
+    reference = train("auto")
+    fault_tolerant = train(FTStrategy())
+    for name, tensor in reference.items():
+        assert torch.equal(tensor, fault_tolerant[name]), f"{name} differs from the single-process reference"
+
+
+class TwoOptimizers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = torch.nn.Linear(8, 1)
+        self.b = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        for optimizer, layer in zip(self.optimizers(), (self.a, self.b), strict=True):
+            optimizer.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(layer(x), y))
+            optimizer.step()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+
+def test_manual_optimization_takes_one_commit_decision_per_batch_for_every_optimizer():
+    counter = CountCalls()
+    model = TwoOptimizers()
+    initial = copy.deepcopy(model.state_dict())
+    run = trainer(callbacks=[counter], max_steps=4)
+    run.fit(model, loader())
+    assert counter.quorums == 4 and counter.votes == 4
+    assert run.global_step == 4
+    for name, tensor in model.state_dict().items():
+        assert not torch.equal(tensor, initial[name]), f"{name} was never stepped"
