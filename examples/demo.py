@@ -86,12 +86,16 @@ def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> 
     os.kill(victim, signal.SIGKILL)
     print(f"demo: group 1 reached step {kill_at_step}: SIGKILL to its worker (pid {victim})", flush=True)
 
-    def solo_steps() -> list[int]:
+    def solo_steps() -> list[dict[str, Any]]:
         records = events(event_dir, "step", group=0, committed=True)
-        return [r["step"] for r in records if r["time"] > killed_at and r["participants"] == 1]
+        return [r for r in records if r["time"] > killed_at and r["participants"] == 1]
 
     alone = wait_for("group 0 to commit on its own", lambda: len(solo_steps()) >= 5 and solo_steps(), job)
-    print(f"demo: group 0 keeps training on its own (committed step {alone[0]} onwards, 1 participant)", flush=True)
+    print(
+        f"demo: group 0 keeps training on its own: step {alone[0]['step']} committed "
+        f"{alone[0]['time'] - killed_at:.2f}s after the kill, with 1 participant",
+        flush=True,
+    )
 
     restarted = wait_for("torchrun to restart group 1", lambda: events(event_dir, "started", group=1, attempt=1), job)
     restarted_pid = restarted[-1]["pid"]

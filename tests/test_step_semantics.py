@@ -208,3 +208,29 @@ def test_manual_optimization_takes_one_commit_decision_per_batch_for_every_optim
     assert run.global_step == 4
     for name, tensor in model.state_dict().items():
         assert not torch.equal(tensor, initial[name]), f"{name} was never stepped"
+
+
+class OverflowOnce(pl.Callback):
+    """Puts an inf into one gradient of batch ``index`` after backward, so the GradScaler skips that step."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == self.index:
+            next(pl_module.parameters()).grad.fill_(float("inf"))
+
+
+def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_travels():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_ft.state import capture_training_state
+
+    counter = CountCalls()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    run = trainer(plugins=[plugin], callbacks=[counter, OverflowOnce(index=2)], max_steps=5)
+    run.fit(Regressor(), loader())
+    assert counter.quorums == 5 and counter.votes == 5
+    assert run.global_step == 5
+    assert plugin.scaler.get_scale() < 65536.0  # the overflow backed the scale off
+    assert capture_training_state(run)["precision"]["scale"] == plugin.scaler.get_scale()
