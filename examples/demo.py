@@ -99,7 +99,11 @@ def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> 
 
     restarted = wait_for("torchrun to restart group 1", lambda: events(event_dir, "started", group=1, attempt=1), job)
     restarted_pid = restarted[-1]["pid"]
-    print(f"demo: torchrun restarted group 1 (pid {restarted_pid})", flush=True)
+    print(
+        f"demo: torchrun restarted group 1 (pid {restarted_pid}, its Manager up "
+        f"{restarted[-1]['time'] - killed_at:.1f}s after the kill)",
+        flush=True,
+    )
     healed = wait_for("group 1 to heal", lambda: events(event_dir, "healed", group=1, pid=restarted_pid), job)
     print(
         f"demo: group 1 healed from group 0's live state at committed step {healed[0]['step']} "

@@ -91,6 +91,8 @@ def group_environment(group_id: int, num_groups: int, lighthouse: str, events_di
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
     env.setdefault("OMP_NUM_THREADS", "1")
+    # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for.
+    env.setdefault("RUST_LOG", "warn")
     env["PYTHONUNBUFFERED"] = "1"
     if events_dir:
         env[ENV_EVENTS_DIR] = os.path.abspath(events_dir)
