@@ -28,9 +28,11 @@ def start_together(job: LaunchedJob, groups: int, nproc: int) -> None:
     (job.root / "go").touch()
 
 
-def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int) -> float:
+def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int, nproc: int = 1) -> float:
     """SIGKILL ``victim``'s worker ``rank`` after it committed steps together with its peer; let the survivor
-    commit alone; pause the survivor until torchrun has restarted the victim. Returns the time of the kill."""
+    commit alone; pause the survivor until every rank of the restarted victim is about to ask for its first quorum
+    (the lighthouse's majority rule then holds that request until the survivor asks too, so the restarted group is
+    in the next quorum). Returns the time of the kill."""
     pid = job.worker_pid(victim, rank, attempt=0)
     job.wait_for(
         f"group {victim} to commit 3 steps with its peer",
@@ -62,7 +64,17 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int)
     )
     pause = job.root / f"pause.group{survivor}"
     pause.touch()
-    job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, rank, attempt=1))
+    restarted = job.wait_for(
+        f"torchrun to restart group {victim}",
+        lambda: (
+            all(job.worker_pid(victim, r, attempt=1) for r in range(nproc))
+            and [job.worker_pid(victim, r, attempt=1) for r in range(nproc)]
+        ),
+    )
+    job.wait_for(
+        f"restarted group {victim} to ask for its first quorum",
+        lambda: all(job.events("joining", group=victim, pid=pid) for pid in restarted),
+    )
     pause.unlink()
     return killed_at
 
@@ -110,5 +122,5 @@ def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
         worker_args=[f"--max-steps={max_steps}", "--accumulate=2", "--clip=0.5", *GATES],
     )
     start_together(job, groups=2, nproc=2)
-    kill_and_restart(job, victim=1, rank=1, survivor=0)
+    kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=4)
