@@ -70,9 +70,11 @@ class FTSettings:
     def replica_id(self) -> str:
         """The id this group registers with the lighthouse.
 
-        torchft derives a global rank from its trailing digits, so the group id goes last.
+        torchft derives a global rank from its trailing digits, so the group id goes last. It is zero-padded
+        because torchft orders a quorum's participants by id as text: padded, participant rank 0 is the
+        lowest-numbered group (the checkpoint writer) even beyond ten groups.
         """
-        return f"{self.replica_id_prefix}{self.replica_group_id}"
+        return f"{self.replica_id_prefix}{self.replica_group_id:05d}"
 
     @property
     def needs_embedded_lighthouse(self) -> bool:

@@ -1,7 +1,10 @@
 """What "the training state" of a Lightning job is, for live transfer between replica groups.
 
 A healing group must leave the heal indistinguishable from its peer. That is more than the weights: every optimizer,
-every LR scheduler, the precision plugin (GradScaler), and the loop counters that Lightning derives decisions from.
+every LR scheduler, the precision plugin (GradScaler), the loop counters that Lightning derives decisions from, and
+the callbacks' state (``ModelCheckpoint``'s last and best paths, ``EarlyStopping``'s patience), exactly what
+Lightning itself would restore from a checkpoint. Callback state must therefore be plain data (tensors, numbers,
+strings, containers): the HTTP transport loads it with ``weights_only=True``.
 The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
 step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer import call as lightning_call
 
 STATE_KEY = "lightning"
 
@@ -36,6 +40,7 @@ def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
         "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
+        "callbacks": lightning_call._call_callbacks_state_dict(trainer),
     }
 
 
@@ -53,6 +58,7 @@ def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
         config.scheduler.load_state_dict(scheduler_state)
     trainer.precision_plugin.load_state_dict(state["precision"])
     trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
+    lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": state["callbacks"]})
 
 
 def _check_compatible(trainer: pl.Trainer, state: dict[str, Any]) -> None:

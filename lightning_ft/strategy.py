@@ -42,6 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -52,6 +53,7 @@ from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft import events
+from lightning_ft.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
 from lightning_ft.manager import ManagerHandle, build_manager
@@ -135,7 +137,7 @@ class FTStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             **kwargs,
@@ -191,6 +193,18 @@ class FTStrategy(DDPStrategy):
     @property
     def num_replica_groups(self) -> int:
         return self.settings.num_replica_groups
+
+    @property
+    def is_checkpoint_writer(self) -> bool:
+        """Whether this process writes the job's global checkpoints: rank 0 of the lowest-numbered group taking part
+        in the current quorum. If that group dies, the next quorum hands the duty to the next group. A group that
+        is healing does not take part, so it never writes. Outside fitting (no Manager), group 0's rank 0 writes.
+        """
+        if self.global_rank != 0:
+            return False
+        if self._handle is None:
+            return self.settings.replica_group_id == 0
+        return self._handle.manager.participating_rank() == 0
 
     def start_quorum(self) -> None:
         """Open the quorum for the current optimizer step (no-op if already open)."""
@@ -288,6 +302,19 @@ class FTStrategy(DDPStrategy):
         if not protocol.decided:
             protocol.commit()
         return output
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write only on the single checkpoint writer (see :attr:`is_checkpoint_writer`), crash-safely."""
+        if self.is_checkpoint_writer:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_checkpoint_writer:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def on_train_end(self) -> None:

@@ -14,7 +14,7 @@ def test_environment_fallbacks(monkeypatch):
     settings = FTStrategy().settings
     assert (settings.replica_group_id, settings.num_replica_groups) == (2, 4)
     assert settings.lighthouse == "http://lighthouse:29510"
-    assert settings.replica_id == "lightning_ft_2"
+    assert settings.replica_id == "lightning_ft_00002"
 
 
 def test_arguments_win_over_environment(monkeypatch):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ft  # noqa: F401  registers "ft"
@@ -111,6 +112,9 @@ def main() -> None:
     parser.add_argument("--transport", default="http")
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--gate-dir", default=None)
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last')")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
 
@@ -121,6 +125,10 @@ def main() -> None:
     callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir)]
     if args.gate_dir is not None:
         callbacks.append(TestGates(args.gate_dir, group))
+    if args.ckpt_dir is not None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
+        )
     trainer = pl.Trainer(
         strategy=FTStrategy(
             use_async_quorum=bool(args.async_quorum),
@@ -136,12 +144,12 @@ def main() -> None:
         gradient_clip_val=args.clip,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
-    trainer.fit(Regressor(manual=args.manual), loader)
+    trainer.fit(Regressor(manual=args.manual), loader, ckpt_path="last" if args.resume else None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""Global checkpoints under fault tolerance: one writer at a time, crash-safe files, and whole-job resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from harness import LaunchedJob, assert_bit_identical
+from test_fault_tolerance import GATES, start_together
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+def saves(job: LaunchedJob) -> list[dict]:
+    return job.events("checkpoint_saved")
+
+
+def assert_one_writer_per_save(job: LaunchedJob) -> None:
+    writers = Counter((record["path"], record["step"]) for record in saves(job))
+    twice = {save: count for save, count in writers.items() if count > 1}
+    assert not twice, f"checkpoints written by more than one process: {twice}"
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def manager_state(checkpoint: dict) -> dict:
+    return checkpoint["callbacks"]["ManagerCheckpointCallback"]["manager"]
+
+
+def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    max_steps = 40
+    job = launch(
+        groups=2,
+        worker_args=[f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5", *GATES],
+    )
+    start_together(job, groups=2, nproc=1)
+    writer_pid = job.worker_pid(0, 0, attempt=0)
+    job.wait_for("group 0 to write a checkpoint", lambda: job.events("checkpoint_saved", group=0, pid=writer_pid))
+    killed_at = time.time()
+    os.kill(writer_pid, signal.SIGKILL)
+    job.wait_for(
+        "group 1 to take over writing",
+        lambda: [r for r in job.events("checkpoint_saved", group=1) if r["time"] > killed_at],
+    )
+    pause = job.root / "pause.group1"
+    pause.touch()
+    restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt=1))
+    job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+    assert job.wait_exit() == 0, job.tail()
+
+    assert_one_writer_per_save(job)
+    assert all(record["group"] == 0 for record in saves(job) if record["time"] < killed_at)
+    assert not list(ckpt_dir.glob("*.partial")), "a partial checkpoint file was left behind"
+    for path in ckpt_dir.glob("*.ckpt"):
+        checkpoint = load(path)  # every file is whole
+        assert manager_state(checkpoint)["step"] == checkpoint["global_step"], path.name
+    last = load(ckpt_dir / "last.ckpt")
+    assert last["global_step"] == max_steps
+    assert len(last["optimizer_states"]) == 1 and len(last["lr_schedulers"]) == 1
+    assert_bit_identical(job.final_states())
+
+
+def test_kill_every_group_then_resume_from_last_checkpoint(launch, tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    max_steps = 60
+    common = [f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=10", *GATES]
+    first = launch("first", groups=2, max_restarts=0, worker_args=common)
+    start_together(first, groups=2, nproc=1)
+    first.wait_for("a checkpoint at step 20", lambda: [r for r in saves(first) if r["step"] >= 20])
+    for group in (0, 1):
+        os.kill(first.worker_pid(group, 0, attempt=0), signal.SIGKILL)
+    assert first.wait_exit() == 1  # both groups failed for good: max_restarts=0
+
+    saved = load(ckpt_dir / "last.ckpt")
+    saved_step, saved_manager = saved["global_step"], manager_state(saved)
+    assert saved_step >= 20 and saved_step % 10 == 0
+    assert saved_manager["step"] == saved_step
+
+    resumed = launch("resumed", groups=2, worker_args=[*common, "--resume"])
+    start_together(resumed, groups=2, nproc=1)
+    assert resumed.wait_exit() == 0, resumed.tail()
+    for group in (0, 1):
+        first_step = resumed.committed_steps(group)[0]
+        assert first_step == saved_step + 1, f"group {group} resumed at {first_step}, not {saved_step + 1}"
+    assert not resumed.events("healed"), "groups resumed from the same checkpoint must not need healing"
+    states = resumed.final_states()
+    for key, state in states.items():
+        assert state["global_step"] == state["manager_step"] == max_steps, key
+        # both groups took part in every step after the resume: the Manager's count carried on from the checkpoint
+        assert state["batches_committed"] == saved_manager["batches_committed"] + 2 * (max_steps - saved_step), key
+    assert_bit_identical(states)
