@@ -37,10 +37,6 @@ class StepProtocol:
         self.last_step_committed: bool | None = None
 
     @property
-    def quorum_open(self) -> bool:
-        return self._quorum_open
-
-    @property
     def decided(self) -> bool:
         return self._decision is not None
 

@@ -90,7 +90,7 @@ def build_manager(settings: FTSettings, group_rank: int, group_world_size: int, 
     """
     lighthouse: EmbeddedLighthouse | None = None
     lighthouse_addr = settings.lighthouse
-    if lighthouse_addr is None and group_rank == 0:
+    if settings.needs_embedded_lighthouse and group_rank == 0:
         lighthouse = start_lighthouse(min_replicas=1)
         lighthouse_addr = lighthouse.address
         log.info("lightning-ft: no lighthouse configured; started one in process at %s", lighthouse_addr)

@@ -34,7 +34,6 @@ Failure semantics
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -59,8 +58,6 @@ from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
 from lightning_ft.manager import ManagerHandle, build_manager
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.state import state_fingerprint
-
-log = logging.getLogger(__name__)
 
 
 class FTStrategy(DDPStrategy):
