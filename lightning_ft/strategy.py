@@ -57,6 +57,7 @@ from lightning_ft.comm import FTCommState, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
 from lightning_ft.manager import ManagerHandle, build_manager
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
+from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
 
 
@@ -157,6 +158,7 @@ class FTStrategy(DDPStrategy):
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
+        self._sigterm_deadline = SigtermDeadline()
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -225,6 +227,8 @@ class FTStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         events.configure(self.settings.replica_group_id, self.global_rank)
+        # Before Lightning registers its own SIGTERM handler, which then calls this one too.
+        self._sigterm_deadline.install()
         self._handle = build_manager(self.settings, self.global_rank, self.world_size, self.root_device)
         self._protocol = StepProtocol(self._handle.manager)
         self._add_default_callbacks(trainer)
@@ -328,6 +332,7 @@ class FTStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
+        self._sigterm_deadline.uninstall()
         if self._handle is not None:
             self._handle.shutdown()
             self._handle = None

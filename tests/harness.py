@@ -134,6 +134,15 @@ def launch_job(
     return LaunchedJob(process=process, root=root, log_file=log_file)
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting to be reaped counts as exited)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status
+
+
 def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
     """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
     (first_key, first), *others = sorted(states.items())

@@ -75,7 +75,10 @@ def test_kill_every_group_then_resume_from_last_checkpoint(launch, tmp_path):
     common = [f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=10", *GATES]
     first = launch("first", groups=2, max_restarts=0, worker_args=common)
     start_together(first, groups=2, nproc=1)
-    first.wait_for("a checkpoint at step 20", lambda: [r for r in saves(first) if r["step"] >= 20])
+    first.wait_for(
+        "last.ckpt at step 20",
+        lambda: [r for r in saves(first) if r["path"].endswith("last.ckpt") and r["step"] >= 20],
+    )
     for group in (0, 1):
         os.kill(first.worker_pid(group, 0, attempt=0), signal.SIGKILL)
     assert first.wait_exit() == 1  # both groups failed for good: max_restarts=0

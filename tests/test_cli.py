@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import REPO
+from harness import REPO, process_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,14 +33,6 @@ def run(args: list[str], timeout: float = 150, cwd: Path = REPO) -> subprocess.C
 
 def lightning_ft(*args: str) -> list[str]:
     return [sys.executable, "-m", "lightning_ft.cli.main", *args]
-
-
-def process_gone(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "State:\tZ" in status  # exited, waiting to be reaped by init
 
 
 def test_yaml_class_path_trains_one_group_with_an_embedded_lighthouse(tmp_path):

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from harness import LaunchedJob, assert_bit_identical
+from harness import LaunchedJob, assert_bit_identical, process_gone
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -124,3 +124,18 @@ def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
     start_together(job, groups=2, nproc=2)
     kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=4)
+
+
+def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
+    """When torchrun tears a group down, a rank waiting for its dead peer must not sit out torchrun's 30 s grace
+    (nor the 60 s quorum timeout): its Manager would keep the group looking alive to the lighthouse."""
+    job = launch(
+        groups=1, nproc_per_group=2, max_restarts=0, worker_args=["--max-steps=100000", "--async-quorum=0", *GATES]
+    )
+    start_together(job, groups=1, nproc=2)
+    rank0, rank1 = job.worker_pid(0, 0, attempt=0), job.worker_pid(0, 1, attempt=0)
+    job.wait_for("rank 1 to commit 3 steps", lambda: len(job.committed_steps(0, rank=1)) >= 3)
+    (job.root / "pause.group0.rank1").touch()
+    job.wait_for("rank 1 to pause", lambda: job.events("paused", pid=rank1))
+    os.kill(rank0, signal.SIGTERM)  # rank 0 is now waiting for rank 1 in the next synchronous quorum
+    job.wait_for("the SIGTERMed rank to exit", lambda: process_gone(rank0), timeout=30)

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ft  # noqa: F401  registers "ft"
-from lightning_ft import FTStrategy
+from lightning_ft import FTStrategy, events
 
 
 class Regressor(pl.LightningModule):
@@ -58,10 +58,12 @@ class TestGates(pl.Callback):
     * ``<dir>/go``: training starts only once it exists. The test creates it when every group's Manager is up, so
       the first quorum includes every group and no group races ahead alone.
     * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
+    * ``<dir>/pause.group<G>.rank<R>``: the same for one rank; it emits a ``paused`` event when it stops.
     """
 
     def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
         self.directory, self.group, self.deadline_s = Path(directory), group, deadline_s
+        self.rank = int(os.environ.get("RANK", 0))
 
     def _wait(self, condition: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.deadline_s
@@ -77,6 +79,10 @@ class TestGates(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         pause = self.directory / f"pause.group{self.group}"
         self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+        rank_pause = self.directory / f"pause.group{self.group}.rank{self.rank}"
+        if rank_pause.exists():
+            events.emit("paused")
+            self._wait(lambda: not rank_pause.exists(), f"{rank_pause} to disappear")
 
 
 class SaveFinalState(pl.Callback):

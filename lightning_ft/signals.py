@@ -1,0 +1,77 @@
+"""A bounded exit on SIGTERM.
+
+When torchrun's agent tears a replica group down (one of its processes died), it sends SIGTERM to the others and
+waits 30 s before SIGKILL. Lightning's SIGTERM handler only sets a flag that is acted on at the next batch, and
+Python runs signal handlers only between bytecodes of the main thread. A process that waits for its dead peer inside
+a C++ collective (Lightning broadcasts on the group's process group every batch) runs neither. Meanwhile its Manager
+keeps heartbeating, so the lighthouse counts the group as alive and the survivors' next quorum waits for it.
+
+So SIGTERM keeps Lightning's graceful path and adds a deadline that does not depend on the main thread: CPython's
+C-level signal handler writes the signal number to the wakeup fd at once, and a watcher thread reading it exits the
+process if it is still alive after the grace period. Nothing committed is lost: live peers hold the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+SIGTERM_GRACE_SECONDS = 5.0
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class SigtermDeadline:
+    """Installs the bounded-exit SIGTERM handling; ``uninstall`` restores what was there before."""
+
+    def __init__(self, grace_seconds: float = SIGTERM_GRACE_SECONDS) -> None:
+        self.grace_seconds = grace_seconds
+        self._previous_handler: _Handler = None
+        self._previous_wakeup_fd = -1
+        self._write_fd: int | None = None
+
+    def install(self) -> None:
+        if self._write_fd is not None or threading.current_thread() is not threading.main_thread():
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._previous_handler = signal.getsignal(signal.SIGTERM)
+        # A Python-level handler must be set for the C handler to write to the wakeup fd.
+        signal.signal(signal.SIGTERM, self._handle)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._write_fd = write_fd
+        threading.Thread(target=self._watch, args=(read_fd,), name="lightning-ft-sigterm", daemon=True).start()
+
+    def uninstall(self) -> None:
+        if self._write_fd is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        previous = self._previous_handler
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        os.close(self._write_fd)  # the watcher reads end-of-file and stops
+        self._write_fd = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous_handler
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            os._exit(128 + signum)
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while data := os.read(read_fd, 64):
+                if self._previous_wakeup_fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.write(self._previous_wakeup_fd, data)
+                if signal.SIGTERM in data:
+                    time.sleep(self.grace_seconds)
+                    os._exit(128 + signal.SIGTERM)
+        finally:
+            os.close(read_fd)
