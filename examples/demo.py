@@ -76,7 +76,8 @@ def main() -> int:
 
 
 def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> int:
-    victim = wait_for("group 1 to start", lambda: events(event_dir, "started", group=1, attempt=0), job)[-1]["pid"]
+    started = wait_for("group 1 to start", lambda: events(event_dir, "started", group=1), job)[-1]
+    victim, attempt = started["pid"], started["attempt"]
     wait_for(
         f"group 1 to reach step {kill_at_step}",
         lambda: any(r["step"] >= kill_at_step for r in events(event_dir, "step", group=1, pid=victim, committed=True)),
@@ -97,7 +98,9 @@ def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> 
         flush=True,
     )
 
-    restarted = wait_for("torchrun to restart group 1", lambda: events(event_dir, "started", group=1, attempt=1), job)
+    restarted = wait_for(
+        "torchrun to restart group 1", lambda: events(event_dir, "started", group=1, attempt=attempt + 1), job
+    )
     restarted_pid = restarted[-1]["pid"]
     print(
         f"demo: torchrun restarted group 1 (pid {restarted_pid}, its Manager up "

@@ -232,7 +232,7 @@ class FTStrategy(DDPStrategy):
         self._handle = build_manager(self.settings, self.global_rank, self.world_size, self.root_device)
         self._protocol = StepProtocol(self._handle.manager)
         self._add_default_callbacks(trainer)
-        events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), ppid=os.getppid())
 
     def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""

@@ -65,9 +65,25 @@ class LaunchedJob:
             time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.tail()}")
 
-    def worker_pid(self, group: int, rank: int, attempt: int) -> int:
-        started = self.events("started", group=group, rank=rank, attempt=attempt)
-        return started[-1]["pid"] if started else 0
+    def started(self, group: int, rank: int, attempt: int | None = None) -> dict[str, Any] | None:
+        """The ``started`` event of a worker's attempt (its latest one by default), or None.
+
+        Tests follow the latest attempt because torchrun may restart a group before the test touches it: its agent
+        picks the workers' MASTER_PORT by binding and closing a free port, which another process can take first.
+        """
+        records = self.events("started", group=group, rank=rank)
+        if attempt is not None:
+            records = [record for record in records if record["attempt"] == attempt]
+        return max(records, key=lambda record: record["attempt"]) if records else None
+
+    def worker_pid(self, group: int, rank: int, attempt: int | None = None) -> int:
+        record = self.started(group, rank, attempt)
+        return record["pid"] if record else 0
+
+    def attempt(self, group: int, rank: int) -> int:
+        record = self.started(group, rank)
+        assert record is not None, f"group {group} rank {rank} has not started"
+        return record["attempt"]
 
     def committed_steps(self, group: int, rank: int = 0, pid: int | None = None) -> list[int]:
         steps = self.events("step", group=group, rank=rank, committed=True)

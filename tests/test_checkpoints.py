@@ -42,7 +42,8 @@ def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_pat
         worker_args=[f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5", *GATES],
     )
     start_together(job, groups=2, nproc=1)
-    writer_pid = job.worker_pid(0, 0, attempt=0)
+    attempt = job.attempt(0, 0)
+    writer_pid = job.worker_pid(0, 0, attempt)
     job.wait_for("group 0 to write a checkpoint", lambda: job.events("checkpoint_saved", group=0, pid=writer_pid))
     killed_at = time.time()
     os.kill(writer_pid, signal.SIGKILL)
@@ -52,7 +53,7 @@ def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_pat
     )
     pause = job.root / "pause.group1"
     pause.touch()
-    restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt=1))
+    restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt + 1))
     job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     pause.unlink()
     assert job.wait_exit() == 0, job.tail()
@@ -73,15 +74,17 @@ def test_kill_every_group_then_resume_from_last_checkpoint(launch, tmp_path):
     ckpt_dir = tmp_path / "checkpoints"
     max_steps = 60
     common = [f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=10", *GATES]
-    first = launch("first", groups=2, max_restarts=0, worker_args=common)
+    first = launch("first", groups=2, worker_args=common)
     start_together(first, groups=2, nproc=1)
     first.wait_for(
         "last.ckpt at step 20",
         lambda: [r for r in saves(first) if r["path"].endswith("last.ckpt") and r["step"] >= 20],
     )
     for group in (0, 1):
-        os.kill(first.worker_pid(group, 0, attempt=0), signal.SIGKILL)
-    assert first.wait_exit() == 1  # both groups failed for good: max_restarts=0
+        worker = first.started(group, 0)
+        os.kill(worker["ppid"], signal.SIGKILL)  # its torchrun agent first, so that nothing restarts it
+        os.kill(worker["pid"], signal.SIGKILL)
+    assert first.wait_exit() == 1  # the launcher reports both groups as failed
 
     saved = load(ckpt_dir / "last.ckpt")
     saved_step, saved_manager = saved["global_step"], manager_state(saved)

@@ -23,7 +23,7 @@ GATES = ["--gate-dir={root}"]
 def start_together(job: LaunchedJob, groups: int, nproc: int) -> None:
     job.wait_for(
         "every worker's Manager to start",
-        lambda: all(job.worker_pid(g, r, attempt=0) for g in range(groups) for r in range(nproc)),
+        lambda: all(job.worker_pid(g, r) for g in range(groups) for r in range(nproc)),
     )
     (job.root / "go").touch()
 
@@ -33,7 +33,8 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
     commit alone; pause the survivor until every rank of the restarted victim is about to ask for its first quorum
     (the lighthouse's majority rule then holds that request until the survivor asks too, so the restarted group is
     in the next quorum). Returns the time of the kill."""
-    pid = job.worker_pid(victim, rank, attempt=0)
+    attempt = job.attempt(victim, rank)
+    pid = job.worker_pid(victim, rank, attempt)
     job.wait_for(
         f"group {victim} to commit 3 steps with its peer",
         lambda: (
@@ -67,8 +68,8 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
     restarted = job.wait_for(
         f"torchrun to restart group {victim}",
         lambda: (
-            all(job.worker_pid(victim, r, attempt=1) for r in range(nproc))
-            and [job.worker_pid(victim, r, attempt=1) for r in range(nproc)]
+            all(job.worker_pid(victim, r, attempt + 1) for r in range(nproc))
+            and [job.worker_pid(victim, r, attempt + 1) for r in range(nproc)]
         ),
     )
     job.wait_for(
@@ -82,7 +83,7 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
 def assert_outcome(job: LaunchedJob, *, restarted: int, max_steps: int, replicas: int) -> None:
     assert job.wait_exit() == 0, job.tail()
 
-    restarted_pid = job.worker_pid(restarted, 0, attempt=1)
+    restarted_pid = job.worker_pid(restarted, 0)
     heals = job.events("healed", group=restarted, pid=restarted_pid)
     assert heals and heals[0]["step"] > 0, f"restarted group {restarted} never healed from a live peer\n{job.tail()}"
 
@@ -133,7 +134,7 @@ def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
         groups=1, nproc_per_group=2, max_restarts=0, worker_args=["--max-steps=100000", "--async-quorum=0", *GATES]
     )
     start_together(job, groups=1, nproc=2)
-    rank0, rank1 = job.worker_pid(0, 0, attempt=0), job.worker_pid(0, 1, attempt=0)
+    rank0, rank1 = job.worker_pid(0, 0), job.worker_pid(0, 1)
     job.wait_for("rank 1 to commit 3 steps", lambda: len(job.committed_steps(0, rank=1)) >= 3)
     (job.root / "pause.group0.rank1").touch()
     job.wait_for("rank 1 to pause", lambda: job.events("paused", pid=rank1))
