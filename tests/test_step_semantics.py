@@ -234,3 +234,26 @@ def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_t
     assert run.global_step == 5
     assert plugin.scaler.get_scale() < 65536.0  # the overflow backed the scale off
     assert capture_training_state(run)["precision"]["scale"] == plugin.scaler.get_scale()
+
+
+class WithValidation(Regressor):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+
+def test_validate_and_test_outside_fit_run_as_plain_ddp_without_a_manager():
+    strategy = FTStrategy()
+    run = trainer(strategy)
+    model = WithValidation()
+    [metrics] = run.validate(model, loader(n=64))
+    assert "val_loss" in metrics
+    assert strategy._handle is None
+    assert strategy.is_checkpoint_writer  # no Manager outside fit: group 0 rank 0 writes
+
+
+def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
+    run = trainer(max_steps=6, val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=2)
+    run.fit(WithValidation(), loader(), loader(n=64))
+    assert run.global_step == 6
+    assert "val_loss" in run.callback_metrics
