@@ -4,7 +4,8 @@ Lightning's ``TorchCheckpointIO`` writes through an fsspec transaction whose tem
 temp directory; committing it is a ``shutil.move``, which is a copy whenever that directory is on another
 filesystem, so a writer killed during the copy leaves a truncated checkpoint behind. Fault-tolerant jobs are killed
 by design, so local checkpoints are written to a temporary file *in the same directory*, flushed to disk, and
-renamed over the target (``os.replace`` is atomic on POSIX). Remote paths keep Lightning's behaviour.
+renamed over the target (``os.replace`` is atomic on POSIX); the next write sweeps away what a killed writer left.
+Remote paths keep Lightning's behaviour.
 """
 
 from __future__ import annotations
@@ -41,3 +42,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
+        self._remove_stale_partials(target.parent)
+
+    @staticmethod
+    def _remove_stale_partials(directory: Path) -> None:
+        """Remove temporary files that a writer killed mid-write left behind.
+
+        Only one process writes checkpoints at a time (see ``FTStrategy.is_checkpoint_writer``), so once this
+        write is done, any other temporary file in the directory belongs to a writer that is gone.
+        """
+        for stale in directory.glob(".*.partial"):
+            stale.unlink(missing_ok=True)

@@ -45,6 +45,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -208,6 +210,19 @@ class FTStrategy(DDPStrategy):
     def start_quorum(self) -> None:
         """Open the quorum for the current optimizer step (no-op if already open)."""
         self.step_protocol.open_quorum()
+
+    @override
+    def set_world_ranks(self) -> None:
+        """Ranks stay group-local; Lightning's rank-zero rule becomes job-wide.
+
+        Lightning lets only the process with ``rank_zero_only.rank == 0`` log to loggers and print rank-zero
+        messages. With group-local ranks, every group's rank 0 would write to the same logger directory (and
+        Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it starts). In the job-wide numbering
+        (group id × group size + rank), that is rank 0 of group 0 only, as with global rank 0 in plain DDP.
+        """
+        super().set_world_ranks()
+        job_rank = self.settings.replica_group_id * self.num_nodes * self.num_processes + self.global_rank
+        rank_zero_only.rank = utilities_rank_zero_only.rank = job_rank
 
     @property
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import time
@@ -35,11 +36,18 @@ def manager_state(checkpoint: dict) -> dict:
 
 
 def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_path):
-    ckpt_dir = tmp_path / "checkpoints"
+    """Also checks the logging rule: only group 0's rank 0 logs, so loggers never share a directory."""
+    ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
     max_steps = 40
     job = launch(
         groups=2,
-        worker_args=[f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5", *GATES],
+        worker_args=[
+            f"--max-steps={max_steps}",
+            f"--ckpt-dir={ckpt_dir}",
+            "--ckpt-every=5",
+            f"--csv-logs={log_dir}",
+            *GATES,
+        ],
     )
     start_together(job, groups=2, nproc=1)
     attempt = job.attempt(0, 0)
@@ -64,10 +72,22 @@ def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_pat
     for path in ckpt_dir.glob("*.ckpt"):
         checkpoint = load(path)  # every file is whole
         assert manager_state(checkpoint)["step"] == checkpoint["global_step"], path.name
+    assert_only_group_zero_logged(job, log_dir)
     last = load(ckpt_dir / "last.ckpt")
     assert last["global_step"] == max_steps
     assert len(last["optimizer_states"]) == 1 and len(last["lr_schedulers"]) == 1
     assert_bit_identical(job.final_states())
+
+
+def assert_only_group_zero_logged(job: LaunchedJob, log_dir: Path) -> None:
+    loggers = {(record["group"], record["pid"]) for record in job.events("rank_zero") if record["rank_zero"]}
+    group_zero_lifetimes = {(0, record["pid"]) for record in job.events("started", group=0)}
+    assert loggers == group_zero_lifetimes, f"processes that logged: {loggers}"
+    metric_files = sorted(log_dir.rglob("metrics.csv"))
+    assert len(metric_files) == len(group_zero_lifetimes), metric_files  # one directory per process lifetime
+    for path in metric_files:
+        steps = [int(row["step"]) for row in csv.DictReader(path.open()) if row.get("train_loss")]
+        assert steps and steps == sorted(set(steps)), f"{path}: steps not written by a single process: {steps}"
 
 
 def test_kill_every_group_then_resume_from_last_checkpoint(launch, tmp_path):

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager
 from lightning_ft.state import STATE_KEY, align_step_counters, apply_training_state, capture_training_state
+
+# A child of Lightning's logger, so it prints wherever Lightning's messages do, but on every group: a heal is news
+# about this group, and Lightning's rank-zero messages come from group 0 only.
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 class StateTransferCallback(Callback):
@@ -41,7 +45,7 @@ class StateTransferCallback(Callback):
             apply_training_state(trainer, state)
             step = manager.current_step()
             align_step_counters(trainer, step)
-            rank_zero_info(f"lightning-ft: healed from a live peer at committed step {step}")
+            log.info("lightning-ft: healed from a live peer at committed step %d", step)
             events.emit("healed", step=step)
 
         manager.register_state_dict_fn(STATE_KEY, load, save)

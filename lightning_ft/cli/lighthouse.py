@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Handlers first: whoever reads the address below may signal us at once.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     lighthouse = start_lighthouse(
         bind=args.bind,
         min_replicas=args.min_replicas,
@@ -42,9 +46,6 @@ def run(args: argparse.Namespace) -> int:
         quorum_tick_ms=args.quorum_tick_ms,
     )
     print(f"lightning-ft lighthouse: listening on {lighthouse.address}", flush=True)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     stop.wait()
     lighthouse.shutdown()
     print("lightning-ft lighthouse: stopped", flush=True)

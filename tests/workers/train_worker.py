@@ -15,6 +15,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ft  # noqa: F401  registers "ft"
@@ -73,6 +75,7 @@ class TestGates(pl.Callback):
             time.sleep(0.01)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        events.emit("rank_zero", rank_zero=rank_zero_only.rank == 0)
         go = self.directory / "go"
         self._wait(go.exists, f"{go} to appear")
 
@@ -121,6 +124,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last')")
+    parser.add_argument("--csv-logs", default=None, help="log every step to a CSVLogger under this directory")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
 
@@ -149,7 +153,8 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         callbacks=callbacks,
-        logger=False,
+        logger=CSVLogger(args.csv_logs, name="ft") if args.csv_logs else False,
+        log_every_n_steps=1,
         enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
