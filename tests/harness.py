@@ -163,19 +163,20 @@ def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
     """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
     (first_key, first), *others = sorted(states.items())
     for key, state in others:
-        _assert_tree_equal(first, state, f"{first_key} vs {key}")
+        assert_tree_equal(first, state, f"{first_key} vs {key}")
 
 
-def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
+def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
+    """Nested dicts/lists of tensors and plain values are equal, tensors bit for bit."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"keys differ at {where}: {sorted(a)} vs {sorted(b)}"
         for key in a:
-            _assert_tree_equal(a[key], b[key], f"{where}.{key}")
+            assert_tree_equal(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"length differs at {where}"
         for index, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_tree_equal(x, y, f"{where}[{index}]")
+            assert_tree_equal(x, y, f"{where}[{index}]")
     else:
         assert a == b, f"value differs at {where}: {a!r} vs {b!r}"

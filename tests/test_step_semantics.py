@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from harness import assert_tree_equal
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FTStrategy
@@ -145,21 +146,11 @@ def test_uncommitted_step_changes_nothing_learning_rate_included():
     assert reject.after["scheduler"] == reject.before["scheduler"]
     for name, tensor in reject.before["params"].items():
         assert torch.equal(tensor, reject.after["params"][name]), name
-    assert _tree_equal(reject.before["optimizer"], reject.after["optimizer"])
+    assert_tree_equal(reject.before["optimizer"], reject.after["optimizer"])
     # the rejected batch is not counted: 6 committed steps took 7 batches
     assert run.global_step == 6
     assert run.fit_loop.epoch_loop.batch_progress.total.completed == 7
     assert run.lr_scheduler_configs[0].scheduler.last_epoch == 6
-
-
-def _tree_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_tree_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_tree_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def test_accumulation_and_clipping_match_a_single_process_reference():

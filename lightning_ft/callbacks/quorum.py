@@ -46,12 +46,13 @@ class QuorumCallback(Callback):
         protocol = ft_step_protocol(trainer)
         committed = protocol.manager.current_step()
         if protocol.decided:
-            events.emit(
-                "step",
-                step=committed,
-                committed=protocol.last_step_committed,
-                participants=protocol.manager.num_participants(),
-            )
+            if events.enabled():
+                events.emit(
+                    "step",
+                    step=committed,
+                    committed=protocol.last_step_committed,
+                    participants=protocol.manager.num_participants(),
+                )
             if protocol.last_step_committed and committed == 1 and trainer.world_size > 1:
                 broadcast_state_in_group(trainer)
         protocol.close()
