@@ -30,6 +30,12 @@ Failure semantics
 * A process dying inside a group: the group's own collectives fail and the whole group exits; its launcher
   (``torchrun --max-restarts``) restarts it and it heals from a live peer. The group is the unit of failure.
 * Never committed twice, never silently different: a healed group holds its peer's exact bytes.
+
+One job, one writer
+-------------------
+Ranks stay group-local, but two job-wide duties have a single owner: global checkpoints are written by rank 0 of the
+lowest-numbered group in the current quorum (:attr:`FTStrategy.is_checkpoint_writer`, which moves on when that group
+dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to rank 0 of group 0 only.
 """
 
 from __future__ import annotations
