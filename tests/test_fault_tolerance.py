@@ -140,3 +140,30 @@ def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
     job.wait_for("rank 1 to pause", lambda: job.events("paused", pid=rank1))
     os.kill(rank0, signal.SIGTERM)  # rank 0 is now waiting for rank 1 in the next synchronous quorum
     job.wait_for("the SIGTERMed rank to exit", lambda: process_gone(rank0), timeout=30)
+
+
+def test_sigkill_during_validation_leaves_the_survivor_running(launch):
+    """Validation is group-local: a group killed while it validates costs the survivor only the heartbeat timeout,
+    and the restarted group heals as usual."""
+    max_steps = 60
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--val-every=10", *GATES])
+    (job.root / "pause.group1.validation").touch()  # group 1 will stop inside its first validation
+    start_together(job, groups=2, nproc=1)
+    attempt = job.attempt(1, 0)
+    victim = job.worker_pid(1, 0, attempt)
+    job.wait_for("group 1 to stop inside validation", lambda: job.events("paused", pid=victim, phase="validation"))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    (job.root / "pause.group1.validation").unlink()
+    job.wait_for(
+        "group 0 to commit on its own",
+        lambda: [
+            e for e in job.events("step", group=0, committed=True) if e["time"] > killed_at and e["participants"] == 1
+        ],
+    )
+    pause = job.root / "pause.group0"
+    pause.touch()
+    restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
+    job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)

@@ -41,6 +41,10 @@ class Regressor(pl.LightningModule):
             optimizer.step()
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
@@ -61,6 +65,7 @@ class TestGates(pl.Callback):
       the first quorum includes every group and no group races ahead alone.
     * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
     * ``<dir>/pause.group<G>.rank<R>``: the same for one rank; it emits a ``paused`` event when it stops.
+    * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     """
 
     def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
@@ -78,6 +83,12 @@ class TestGates(pl.Callback):
         events.emit("rank_zero", rank_zero=rank_zero_only.rank == 0)
         go = self.directory / "go"
         self._wait(go.exists, f"{go} to appear")
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        pause = self.directory / f"pause.group{self.group}.validation"
+        if pause.exists():
+            events.emit("paused", phase="validation", step=trainer.global_step)
+            self._wait(lambda: not pause.exists(), f"{pause} to disappear")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         pause = self.directory / f"pause.group{self.group}"
@@ -124,6 +135,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last')")
+    parser.add_argument("--val-every", type=int, default=None, help="validate every N training batches")
     parser.add_argument("--csv-logs", default=None, help="log every step to a CSVLogger under this directory")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
@@ -151,6 +163,10 @@ def main() -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None if args.val_every else 1,
+        limit_val_batches=4 if args.val_every else 0,
+        num_sanity_val_steps=0,
         gradient_clip_val=args.clip,
         callbacks=callbacks,
         logger=CSVLogger(args.csv_logs, name="ft") if args.csv_logs else False,
@@ -160,7 +176,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
-    trainer.fit(Regressor(manual=args.manual), loader, ckpt_path="last" if args.resume else None)
+    val_loader = DataLoader(dataset(size=256), batch_size=args.batch_size)
+    trainer.fit(Regressor(manual=args.manual), loader, val_loader, ckpt_path="last" if args.resume else None)
 
 
 if __name__ == "__main__":
