@@ -63,7 +63,8 @@ def main() -> int:
     ]  # fmt: skip
     print(f"demo: starting 2 replica groups; full output in {run / 'launch.log'}", flush=True)
     with open(run / "launch.log", "wb") as log:
-        job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The job runs in the run directory, so what Lightning writes (its config, logs) stays there.
+        job = subprocess.Popen(command, cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return follow(job, event_dir, args.kill_at_step)
         finally:
