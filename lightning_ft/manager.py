@@ -14,7 +14,7 @@ The Manager needs three things from its surroundings, and each has a trap this m
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,14 +35,11 @@ class ManagerHandle:
     """The Manager together with the resources this process owns for it, so they are torn down together."""
 
     manager: Manager
+    # Held, not used: on group rank 0 this object *is* the group's store server, which lives as long as it does.
     store: TCPStore | None = None
     lighthouse: EmbeddedLighthouse | None = None
-    _shut_down: bool = field(default=False, repr=False)
 
     def shutdown(self) -> None:
-        if self._shut_down:
-            return
-        self._shut_down = True
         self.manager.shutdown(wait=False)
         if self.lighthouse is not None:
             self.lighthouse.shutdown()

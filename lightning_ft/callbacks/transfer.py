@@ -27,16 +27,11 @@ class StateTransferCallback(Callback):
     counters jump to the peer's committed step.
     """
 
-    def __init__(self) -> None:
-        self._registered_with: int | None = None
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        manager = ft_manager(trainer)
-        if self._registered_with == id(manager):
-            return
+        manager = ft_manager(trainer)  # a new Manager for every fit, so registering once per fit is exactly right
 
         def save() -> dict[str, Any]:
             return capture_training_state(trainer)
@@ -49,4 +44,3 @@ class StateTransferCallback(Callback):
             events.emit("healed", step=step)
 
         manager.register_state_dict_fn(STATE_KEY, load, save)
-        self._registered_with = id(manager)
