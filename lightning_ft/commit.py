@@ -35,6 +35,12 @@ class StepProtocol:
         self._quorum_open = False
         self._decision: bool | None = None
         self.last_step_committed: bool | None = None
+        self.quorums_opened = 0
+
+    @property
+    def quorum_open(self) -> bool:
+        """Whether an optimizer step's quorum is open (from its first micro-batch until the deciding batch ends)."""
+        return self._quorum_open
 
     @property
     def decided(self) -> bool:
@@ -49,6 +55,7 @@ class StepProtocol:
             return
         self.manager.start_quorum()
         self._quorum_open = True
+        self.quorums_opened += 1
         self._decision = None
 
     def require_quorum(self) -> None:

@@ -53,6 +53,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -61,6 +63,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.checkpoint_io import AtomicCheckpointIO
+from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
 from lightning_ft.manager import ManagerHandle, build_manager
@@ -166,6 +169,8 @@ class FTStrategy(DDPStrategy):
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
+        self._collectives: CrossGroupCollectives | None = None
+        self._patches: list[tuple[object, str]] = []
         self._sigterm_deadline = SigtermDeadline()
 
     # ------------------------------------------------------------------ registry
@@ -182,10 +187,19 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ public surface
     @property
     def manager(self) -> Manager:
-        """This group's torchft Manager (exists from ``setup_environment`` on, while fitting)."""
+        """This group's torchft Manager (exists from ``setup_environment`` on, while fitting, validating, testing)."""
         if self._handle is None:
-            raise RuntimeError("FTStrategy.manager is only available while fitting, after setup_environment().")
+            raise RuntimeError(
+                "FTStrategy.manager is only available while fitting, validating or testing, after setup_environment()."
+            )
         return self._handle.manager
+
+    @property
+    def collectives(self) -> CrossGroupCollectives:
+        """Job-wide reductions over every participating replica (see :mod:`lightning_ft.collectives`)."""
+        if self._collectives is None:
+            raise RuntimeError("FTStrategy.collectives is only available after setup_environment().")
+        return self._collectives
 
     @property
     def step_protocol(self) -> StepProtocol:
@@ -209,7 +223,7 @@ class FTStrategy(DDPStrategy):
         """
         if self.global_rank != 0:
             return False
-        if self._handle is None:
+        if self._handle is None or self._protocol is None:
             return self.settings.replica_group_id == 0
         return self._handle.manager.participating_rank() == 0
 
@@ -245,15 +259,17 @@ class FTStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
         events.configure(self.settings.replica_group_id, self.global_rank)
         # Before Lightning registers its own SIGTERM handler, which then calls this one too.
         self._sigterm_deadline.install()
         self._handle = build_manager(self.settings, self.global_rank, self.world_size, self.root_device)
-        self._protocol = StepProtocol(self._handle.manager)
-        self._add_default_callbacks(trainer)
-        events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), ppid=os.getppid())
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._protocol = StepProtocol(self._handle.manager)
+            self._add_default_callbacks(trainer)
+            events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), ppid=os.getppid())
+        self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol)
 
     def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
@@ -268,6 +284,40 @@ class FTStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._gate_step_lr_schedulers(trainer)
+        if self._collectives is not None:
+            self._keep_dataloader_checks_group_local(trainer)
+            self._sync_metrics_across_groups()
+
+    def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:
+        """Shadow a bound method with an instance attribute, undone at teardown (a trainer may fit again)."""
+        setattr(target, name, replacement)
+        self._patches.append((target, name))
+
+    def _keep_dataloader_checks_group_local(self, trainer: pl.Trainer) -> None:
+        """Lightning asks every rank whether its dataloader is empty once per process lifetime, through
+        ``Strategy.reduce``. A restarted group asks when its peers do not, so that question stays inside the group."""
+        loops = [trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop]
+        collectives = self.collectives
+        for loop in loops:
+            setup_data: Callable[[], None] = loop.setup_data
+
+            def group_local_setup_data(setup_data: Callable[[], None] = setup_data) -> None:
+                with collectives.group_local():
+                    setup_data()
+
+            self._patch(loop, "setup_data", group_local_setup_data)
+
+    def _sync_metrics_across_groups(self) -> None:
+        """torchmetrics ``Metric`` objects of the module sync over every participating replica, not just the group.
+
+        A metric's own ``dist_sync_fn`` or ``process_group``, when the user set one, is left alone.
+        """
+        from torchmetrics import Metric
+
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.dist_sync_fn is None and module.process_group is None:
+                module.dist_sync_fn = self.collectives.all_gather
+                self._patches.append((module, "dist_sync_fn"))
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -296,7 +346,43 @@ class FTStrategy(DDPStrategy):
                 return
             update(interval, update_plateau_schedulers)
 
-        epoch_loop.update_lr_schedulers = update_if_committed  # type: ignore[method-assign]
+        self._patch(epoch_loop, "update_lr_schedulers", update_if_committed)
+
+    # ------------------------------------------------------------------ job-wide reductions
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over every participating replica: inside the group, then across groups through the Manager.
+
+        Across groups only where every group makes the same collectives (an optimizer step, validation and test,
+        an epoch end; see :mod:`lightning_ft.collectives`); elsewhere, and with an explicit ``group``, inside the
+        group as in DDP.
+        """
+        if not isinstance(tensor, Tensor) or group is not None or self._collectives is None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return self._collectives.reduce(tensor, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """``EarlyStopping`` and ``ModelCheckpoint`` reach the same decision in every replica group."""
+        if self._collectives is None:
+            return super().reduce_boolean_decision(decision, all=all)
+        return self._collectives.decide(decision, require_all=all)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._open_sync_section()
+
+    @override
+    def on_test_start(self) -> None:
+        self._open_sync_section()
+
+    def _open_sync_section(self) -> None:
+        """Every group validates (tests) at the same committed step: its reductions may cross groups. Not during
+        the sanity check, which a restarted group runs while its peers train."""
+        if self._collectives is not None and not self.lightning_module.trainer.sanity_checking:
+            self._collectives.open_section()
 
     # ------------------------------------------------------------------ the step
     @override
@@ -354,6 +440,13 @@ class FTStrategy(DDPStrategy):
     def teardown(self) -> None:
         super().teardown()
         self._sigterm_deadline.uninstall()
+        for target, name in reversed(self._patches):
+            if name == "dist_sync_fn":
+                setattr(target, name, None)
+            else:
+                vars(target).pop(name, None)
+        self._patches.clear()
+        self._collectives = None
         if self._handle is not None:
             self._handle.shutdown()
             self._handle = None

@@ -1,6 +1,7 @@
 """How a callback finds the fault-tolerance parts of the running strategy.
 
-Callbacks do not import FTStrategy: any strategy that exposes a torchft ``manager`` and a ``step_protocol`` works.
+Callbacks do not import FTStrategy: any strategy that exposes a torchft ``manager``, a ``step_protocol`` and (for
+sync sections) ``collectives`` works.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torchft import Manager
 
+from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.commit import StepProtocol
 
 
@@ -33,3 +35,11 @@ def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
     if not isinstance(protocol, StepProtocol):
         raise RuntimeError("This callback needs a strategy exposing a lightning_ft StepProtocol as `step_protocol`.")
     return protocol
+
+
+def ft_collectives(trainer: pl.Trainer) -> CrossGroupCollectives:
+    ft_manager(trainer)
+    collectives = getattr(trainer.strategy, "collectives", None)
+    if not isinstance(collectives, CrossGroupCollectives):
+        raise RuntimeError("This callback needs a strategy exposing lightning_ft `collectives`. Use FTStrategy.")
+    return collectives

@@ -9,18 +9,19 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft import events
-from lightning_ft.callbacks._access import ft_step_protocol
+from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 
 
 class QuorumCallback(Callback):
     """Starts each optimizer step's torchft quorum before the forward pass, once per accumulation window.
 
-    Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal
-    a behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
-    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. After the job's
-    first committed step, groups of several processes re-align their ranks (see
-    :func:`~lightning_ft.state.broadcast_state_in_group`).
+        Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal
+        a behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
+        committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. At an epoch end
+    it opens a sync section for cross-group reductions (:mod:`lightning_ft.collectives`). After the job's
+        first committed step, groups of several processes re-align their ranks (see
+        :func:`~lightning_ft.state.broadcast_state_in_group`).
     """
 
     def __init__(self) -> None:
@@ -57,3 +58,9 @@ class QuorumCallback(Callback):
                 broadcast_state_in_group(trainer)
         protocol.close()
         align_step_counters(trainer, committed)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every group ends the epoch at the same committed step: epoch-level metrics and the decisions of
+        ``EarlyStopping``/``ModelCheckpoint`` that follow may reduce across groups."""
+        ft_collectives(trainer).open_section()

@@ -18,22 +18,30 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
 from lightning_ft import FTStrategy, events
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, lr: float = 0.01, manual: bool = False) -> None:
+    def __init__(self, lr: float = 0.01, manual: bool = False, sync_train_log: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         self.lr = lr
         self.automatic_optimization = not manual
+        self.sync_train_log = sync_train_log
+        # torchmetrics with "sum" states (MSE) and "cat" states of uneven length per replica (Spearman)
+        self.val_mse, self.test_mse = MeanSquaredError(), MeanSquaredError()
+        self.val_spearman, self.test_spearman = SpearmanCorrCoef(), SpearmanCorrCoef()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
+        if self.sync_train_log:
+            self.log("train_loss_all", loss, sync_dist=True)
+            self.log("train_loss_max", loss, sync_dist=True, reduce_fx="max")
         if not self.automatic_optimization:
             optimizer = self.optimizers()
             optimizer.zero_grad()
@@ -42,8 +50,21 @@ class Regressor(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate("val", batch, self.val_mse, self.val_spearman)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate("test", batch, self.test_mse, self.test_spearman)
+
+    def _evaluate(
+        self, stage: str, batch: tuple[torch.Tensor, torch.Tensor], mse: MeanSquaredError, spearman: SpearmanCorrCoef
+    ) -> None:
         x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        prediction = self.net(x)
+        self.log(f"{stage}_loss", torch.nn.functional.mse_loss(prediction, y), sync_dist=True)
+        mse.update(prediction, y)
+        spearman.update(prediction.squeeze(-1), y.squeeze(-1))
+        self.log(f"{stage}_mse", mse)
+        self.log(f"{stage}_spearman", spearman)
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -56,6 +77,14 @@ def dataset(size: int = 8192) -> TensorDataset:
     x = torch.randn(size, 16, generator=generator)
     y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(size, 1, generator=generator)
     return TensorDataset(x, y)
+
+
+def validation_dataset() -> TensorDataset:
+    """128 samples: every replica of a 2-group or 2×2 job gets whole batches and no padding, so a job-wide metric
+    equals the metric over this dataset."""
+    generator = torch.Generator().manual_seed(99)
+    x = torch.randn(128, 16, generator=generator)
+    return TensorDataset(x, x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(128, 1, generator=generator))
 
 
 class TestGates(pl.Callback):
@@ -99,6 +128,27 @@ class TestGates(pl.Callback):
             self._wait(lambda: not rank_pause.exists(), f"{rank_pause} to disappear")
 
 
+class RecordMetrics(pl.Callback):
+    """Emit the job-wide metrics every replica computed at the end of each validation and test run."""
+
+    def _emit(self, trainer: pl.Trainer, stage: str) -> None:
+        if trainer.sanity_checking:
+            return
+        values = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}_")}
+        events.emit("metrics", stage=stage, fn=trainer.state.fn.value, step=trainer.global_step, values=values)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._emit(trainer, "val")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._emit(trainer, "test")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if "train_loss_all" in trainer.callback_metrics:
+            values = {k: trainer.callback_metrics[k].item() for k in ("train_loss_all", "train_loss_max")}
+            events.emit("metrics", stage="train", fn="fit", step=trainer.global_step, values=values)
+
+
 class SaveFinalState(pl.Callback):
     """Write every replica's final model, optimizer and scheduler state for the test to compare."""
 
@@ -137,6 +187,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last')")
     parser.add_argument("--val-every", type=int, default=None, help="validate every N training batches")
     parser.add_argument("--csv-logs", default=None, help="log every step to a CSVLogger under this directory")
+    parser.add_argument("--sync-train-log", action="store_true", help="log the loss with sync_dist=True every step")
+    parser.add_argument("--evaluate-after", action="store_true", help="trainer.validate() and .test() after fit")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
 
@@ -144,7 +196,7 @@ def main() -> None:
     torch.manual_seed(100 + group)  # different initial weights per group: init_sync must make them equal
     torch.set_num_threads(1)
 
-    callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir)]
+    callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir), RecordMetrics()]
     if args.gate_dir is not None:
         callbacks.append(TestGates(args.gate_dir, group))
     if args.ckpt_dir is not None:
@@ -165,7 +217,7 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         val_check_interval=args.val_every,
         check_val_every_n_epoch=None if args.val_every else 1,
-        limit_val_batches=4 if args.val_every else 0,
+        limit_val_batches=4 if args.val_every or args.evaluate_after else 0,
         num_sanity_val_steps=0,
         gradient_clip_val=args.clip,
         callbacks=callbacks,
@@ -176,8 +228,12 @@ def main() -> None:
         enable_model_summary=False,
     )
     loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
-    val_loader = DataLoader(dataset(size=256), batch_size=args.batch_size)
-    trainer.fit(Regressor(manual=args.manual), loader, val_loader, ckpt_path="last" if args.resume else None)
+    val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
+    model = Regressor(manual=args.manual, sync_train_log=args.sync_train_log)
+    trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
+    if args.evaluate_after:
+        trainer.validate(model, val_loader)
+        trainer.test(model, val_loader)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,298 @@
+"""Job-wide reductions: over every process of every participating replica group.
+
+Lightning reduces logged values (``self.log(..., sync_dist=True)``), torchmetrics states and callback decisions
+(``EarlyStopping``, ``ModelCheckpoint``) through the strategy. Under FTStrategy the torch default process group
+spans one replica group only, so a plain DDP reduction would give every group its own answer. Here a value first
+goes round the group (its own process group), then across groups through the torchft Manager, whose process group
+connects equal group ranks of every group in the current quorum.
+
+Everything is built from one primitive, an all-gather: each participant writes its value into its own slot of a
+zero buffer and the Manager sums the buffers. The sum of one value and zeros is exact, so every replica receives
+the very same bytes, and every reduction (sum, mean, max, min, all, any, torchmetrics' ``cat``) is then computed
+locally in one fixed order: every replica ends with bit-identical results. A group that is healing (not
+participating in the quorum) contributes nothing, as with gradients, and receives the participants' values.
+
+When cross-group collectives are allowed
+----------------------------------------
+A cross-group collective is only correct if every group in the quorum makes the same collectives in the same order.
+That holds in two kinds of places, and only there:
+
+* **inside an optimizer step**, on the step's own quorum (e.g. ``self.log`` in ``training_step``);
+* **in a sync section**: the validation and test loops and the end of a training epoch, which every group reaches at
+  the same committed step. A section gets a quorum of its own (``allow_heal=False``, ``shrink_only=True``: a group
+  that is just restarting waits for the next training step instead of joining a validation half-way), and loses it
+  when the next optimizer step opens its quorum.
+
+Everywhere else (Lightning's one-off dataloader checks, the sanity check, a group that has not joined its first
+quorum yet) a reduction stays inside the group, exactly as in plain DDP.
+
+Failure semantics
+-----------------
+* A peer that dies during a cross-group collective inside a step: the step does not commit anyway; the value falls
+  back to this group's own (a warning says so).
+* A peer that dies during a sync section: the survivors start a new section quorum without it (after the
+  lighthouse's heartbeat timeout) and redo the collective, so the result covers every participating replica. After
+  ``max_attempts`` failures the value falls back to this group's own, with a warning. Nothing waits longer than the
+  Manager's ``timeout`` per collective and ``quorum_timeout`` per quorum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torchft import Manager
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from lightning_ft.commit import StepProtocol
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+T = TypeVar("T")
+
+
+class CrossGroupCollectiveError(RuntimeError):
+    """A cross-group collective failed: a peer died or timed out. Reported to the Manager as well."""
+
+
+class CrossGroupCollectives:
+    """All-gathers and reductions over every participating replica, inside a group and across groups.
+
+    Args:
+        manager: This group's torchft Manager.
+        protocol: The fit's step protocol (``None`` for ``validate``/``test``, which have no optimizer steps).
+        max_attempts: How many section quorums a sync-section collective tries before it falls back to the group's
+            own value.
+    """
+
+    def __init__(self, manager: Manager, protocol: StepProtocol | None, max_attempts: int = 3) -> None:
+        self.manager = manager
+        self.protocol = protocol
+        self.max_attempts = max_attempts
+        # A section is identified by the number of step quorums opened before it: the next step quorum ends it.
+        self._section: int | None = None
+        self._section_quorum: int | None = None
+        self._group_local_depth = 0
+        self._warned = False
+
+    # ------------------------------------------------------------------ where collectives may cross groups
+    def open_section(self) -> None:
+        """Every group has reached the same point (an evaluation loop, an epoch end): collectives may cross groups.
+
+        In ``fit``, only a group that has taken part in a step quorum opens sections: a group that restarted and
+        has not joined yet is not aligned with the others.
+        """
+        if self.protocol is None or self.protocol.quorums_opened > 0:
+            self._section = self._step_quorums()
+
+    def close_section(self) -> None:
+        """End the section now (the next optimizer step's quorum ends it anyway)."""
+        self._section = self._section_quorum = None
+
+    def _step_quorums(self) -> int:
+        return 0 if self.protocol is None else self.protocol.quorums_opened
+
+    @property
+    def _in_section(self) -> bool:
+        return self._section is not None and self._section == self._step_quorums()
+
+    @contextlib.contextmanager
+    def group_local(self) -> Iterator[None]:
+        """Keep reductions inside the group, for collectives that only some groups make (Lightning's dataloader
+        length check runs once per process lifetime, so a restarted group would make it alone)."""
+        self._group_local_depth += 1
+        try:
+            yield
+        finally:
+            self._group_local_depth -= 1
+
+    @property
+    def crosses_groups(self) -> bool:
+        if self._group_local_depth:
+            return False
+        if self.protocol is not None and self.protocol.quorum_open:
+            return True
+        return self._in_section
+
+    # ------------------------------------------------------------------ public collectives
+    def all_gather(self, tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+        """Every participating process's ``tensor`` (shapes may differ in size, not in rank), in a fixed order.
+
+        The signature of a torchmetrics ``dist_sync_fn``. An explicit ``group`` keeps the gather on that group.
+        """
+        if group is not None:
+            return gather_all_tensors(tensor, group)
+        local = gather_all_tensors(tensor) if _group_world_size() > 1 else [tensor]
+        if not self.crosses_groups:
+            return local
+        gathered = self._across_groups(lambda: self._gather_uneven(local))
+        return local if gathered is None else gathered
+
+    def gather_equal(self, tensor: Tensor) -> Tensor:
+        """Stack every participating process's ``tensor`` (same shape everywhere) along a new first dimension."""
+        if _group_world_size() > 1:
+            parts = [torch.empty_like(tensor) for _ in range(_group_world_size())]
+            dist.all_gather(parts, tensor.contiguous())
+            local = torch.stack(parts)
+        else:
+            local = tensor.unsqueeze(0)
+        if not self.crosses_groups:
+            return local
+        gathered = self._across_groups(lambda: self._slot_gather(local))
+        return local if gathered is None else gathered.flatten(0, 1)
+
+    def reduce(self, tensor: Tensor, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Lightning's ``Strategy.reduce`` over every participating process. In place, like DDP's."""
+        values = self.gather_equal(tensor)
+        reduced = _reduce_stacked(values, reduce_op)
+        if reduced.dtype == tensor.dtype:
+            return tensor.copy_(reduced)
+        return reduced
+
+    def decide(self, decision: bool, require_all: bool) -> bool:
+        """A boolean decision that every participating process shares."""
+        votes = self.gather_equal(torch.tensor(int(bool(decision)), dtype=torch.int64))
+        return bool(votes.all()) if require_all else bool(votes.any())
+
+    # ------------------------------------------------------------------ across groups
+    def _across_groups(self, collective: Callable[[], T]) -> T | None:
+        """Run ``collective`` across groups on the step's quorum, or on a section quorum with retries.
+
+        Only group rank 0 exchanges with the other groups, then hands the outcome to its group. torchft decides
+        participation per group rank (at step 0 with ``init_sync``, rank r of every group follows a different
+        group), so ranks exchanging on their own could see different sets of groups; one view per group keeps every
+        process of the job on the same answer. Returns ``None`` when the collective failed.
+        """
+        in_step = self.protocol is not None and self.protocol.quorum_open
+        for _ in range(1 if in_step else self.max_attempts):
+            if not in_step and self._section_quorum != self._section:
+                # shrink_only: only groups of the previous quorum take part, so a restarting group waits for the
+                # next training step rather than joining this section half-way. Outside fit there is no such
+                # group, and the first quorum of a validate/test run must be free to form.
+                self.manager.start_quorum(allow_heal=False, shrink_only=self.protocol is not None)
+                self._section_quorum = self._section
+            outcome: tuple[bool, Any] = (False, None)
+            if _group_rank() == 0:
+                try:
+                    outcome = (True, collective())
+                except CrossGroupCollectiveError as error:
+                    outcome = (False, str(error))
+            ok, value = _share_from_group_rank_zero(outcome)
+            if ok:
+                return value
+            if in_step:
+                self._fall_back(f"a peer failed during a collective inside an optimizer step ({value})")
+                return None
+            self._section_quorum = None
+        self._fall_back(f"{self.max_attempts} section quorums in a row failed")
+        return None
+
+    def _fall_back(self, why: str) -> None:
+        if not self._warned:
+            log.warning(
+                "lightning-ft: %s; this value covers this replica group only. Later failures are not reported.", why
+            )
+            self._warned = True
+
+    def _slot_gather(self, tensor: Tensor) -> Tensor:
+        """``[num_participants, *tensor.shape]``: every participating group's ``tensor``, exact."""
+        manager = self.manager
+        manager.wait_quorum()
+        slots = manager.num_participants()
+        mine = manager.participating_rank()
+        wire_dtype = torch.float64 if tensor.is_floating_point() else torch.int64
+        buffer = torch.zeros((slots, *tensor.shape), dtype=wire_dtype, device=tensor.device)
+        if mine is not None:
+            buffer[mine] = tensor.to(wire_dtype)
+        manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
+        failure = manager.errored()
+        if failure is not None:
+            raise CrossGroupCollectiveError(str(failure.original_exception)) from failure.original_exception
+        return buffer.to(tensor.dtype)
+
+    def _gather_uneven(self, local: list[Tensor]) -> list[Tensor]:
+        """Gather this group's tensors (equal rank, any sizes) from every participating group, in slot order."""
+        shapes = torch.tensor([list(part.shape) for part in local], dtype=torch.int64).reshape(len(local), -1)
+        all_shapes = self._slot_gather(shapes)  # [groups, group size, ndim]
+        numels = all_shapes.prod(dim=-1)  # an empty shape (a scalar) has one element
+        flat = torch.cat([part.reshape(-1) for part in local])
+        padded = torch.zeros(int(numels.sum(dim=-1).max()), dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        all_flat = self._slot_gather(padded)
+        gathered: list[Tensor] = []
+        for slot in range(all_shapes.shape[0]):
+            offset = 0
+            for index in range(all_shapes.shape[1]):
+                count = int(numels[slot, index])
+                shape = [int(size) for size in all_shapes[slot, index]]
+                gathered.append(all_flat[slot, offset : offset + count].reshape(shape))
+                offset += count
+        return gathered
+
+
+def _group_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _group_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _share_from_group_rank_zero(outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+    """Group rank 0's outcome on every rank of the group; tensors travel on the CPU and come back where they were."""
+    if _group_world_size() == 1:
+        return outcome
+    ok, value = outcome
+    device = _device_of(value)
+    payload = [(ok, _to_device(value, torch.device("cpu")))]
+    dist.broadcast_object_list(payload, src=0)
+    ok, value = payload[0]
+    return ok, _to_device(value, device) if device is not None else value
+
+
+def _device_of(value: Any) -> torch.device | None:
+    if isinstance(value, Tensor):
+        return value.device
+    if isinstance(value, list) and value and isinstance(value[0], Tensor):
+        return value[0].device
+    return None
+
+
+def _to_device(value: Any, device: torch.device | None) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value
+
+
+def _reduce_stacked(values: Tensor, reduce_op: ReduceOp | str | None) -> Tensor:
+    """Reduce along the first dimension, in one fixed order, as ``torch.distributed`` would name the operation."""
+    name = _op_name(reduce_op)
+    if name == "sum":
+        return values.sum(dim=0)
+    if name in ("mean", "avg"):
+        return values.sum(dim=0) / values.shape[0]
+    if name == "max":
+        return values.amax(dim=0)
+    if name == "min":
+        return values.amin(dim=0)
+    if name == "product":
+        return values.prod(dim=0)
+    raise ValueError(f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'.")
+
+
+def _op_name(reduce_op: ReduceOp | str | None) -> str:
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        return reduce_op.lower()
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+        if reduce_op == getattr(ReduceOp, name):
+            return name.lower()
+    raise ValueError(f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'.")
