@@ -1,8 +1,10 @@
-"""Job-wide logging and metrics: every replica reports the same value, and that value is the one a single process
-computes over all the data (real processes: 2 replica groups of 2 processes each, real lighthouse)."""
+"""Job-wide logging, metrics and callback decisions: every replica reports the same value, that value is the one a
+single process computes over all the data, and EarlyStopping/ModelCheckpoint decide alike everywhere (real
+processes: 2 replica groups of 2 processes each, real lighthouse)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from train_worker import Regressor, validation_dataset
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 GROUPS, NPROC = 2, 2
+MAX_STEPS = 60
 REPLICAS = [(group, rank) for group in range(GROUPS) for rank in range(NPROC)]
 
 
@@ -47,7 +50,14 @@ def test_logged_values_and_torchmetrics_are_job_wide_and_match_a_single_process_
     job = launch(
         groups=GROUPS,
         nproc_per_group=NPROC,
-        worker_args=["--max-steps=30", "--val-every=10", "--sync-train-log", "--evaluate-after", "--gate-dir={root}"],
+        worker_args=[
+            f"--max-steps={MAX_STEPS}",
+            "--val-every=10",
+            "--sync-train-log",
+            "--evaluate-after",
+            "--monitor-dir={root}/best",
+            "--gate-dir={root}",
+        ],
     )
     job.wait_for("every worker's Manager to start", lambda: all(job.worker_pid(g, r) for g, r in REPLICAS), timeout=180)
     (job.root / "go").touch()
@@ -55,16 +65,28 @@ def test_logged_values_and_torchmetrics_are_job_wide_and_match_a_single_process_
 
     # self.log(sync_dist=True) inside training_step: the same value on every replica at every committed step.
     train = metrics_by_replica(job, "train", "fit")
-    assert len(train[(0, 0)]) >= 30
+    assert len(train[(0, 0)]) >= 20
     for replica in REPLICAS:
         assert train[replica] == train[(0, 0)], f"train metrics of {replica} differ from group 0 rank 0"
     assert all(values["train_loss_max"] >= values["train_loss_all"] for _, values in train[(0, 0)])
 
     # Validation inside fit: one record per validation, equal on every replica, bit for bit.
     fit_val = metrics_by_replica(job, "val", "fit")
-    assert [step for step, _ in fit_val[(0, 0)]] == [10, 20, 30]
     for replica in REPLICAS:
         assert fit_val[replica] == fit_val[(0, 0)], f"validation metrics of {replica} differ from group 0 rank 0"
+
+    # EarlyStopping (mode="max", patience=0) stops every replica at the first validation whose loss did not rise,
+    # and ModelCheckpoint (mode="min") agrees everywhere on the best score and file.
+    losses = [(step, values["val_loss"]) for step, values in fit_val[(0, 0)]]
+    stop_step = next(step for (_, before), (step, now) in itertools.pairwise(losses) if now <= before)
+    assert [step for step, _ in losses] == list(range(10, stop_step + 1, 10))
+    states = job.final_states()
+    assert sorted(states) == REPLICAS
+    for replica, state in states.items():
+        assert state["global_step"] == stop_step < MAX_STEPS, replica
+        assert state["best_model_score"].item() == min(loss for _, loss in losses), replica
+        assert state["best_model_path"] == states[(0, 0)]["best_model_path"]
+    assert Path(states[(0, 0)]["best_model_path"]).exists()
 
     # trainer.validate / trainer.test after fit: equal everywhere, and equal to a single-process reference.
     final = torch.load(job.out_dir / "final.group0.rank0.pt", weights_only=True)

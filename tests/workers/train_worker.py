@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
@@ -167,6 +167,8 @@ class SaveFinalState(pl.Callback):
             "global_step": trainer.global_step,
             "manager_step": strategy.manager.current_step(),
             "batches_committed": strategy.manager.batches_committed(),
+            "best_model_score": trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None,
+            "best_model_path": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
         }
         name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
         torch.save(state, self.out_dir / name)
@@ -189,6 +191,12 @@ def main() -> None:
     parser.add_argument("--csv-logs", default=None, help="log every step to a CSVLogger under this directory")
     parser.add_argument("--sync-train-log", action="store_true", help="log the loss with sync_dist=True every step")
     parser.add_argument("--evaluate-after", action="store_true", help="trainer.validate() and .test() after fit")
+    parser.add_argument(
+        "--monitor-dir",
+        default=None,
+        help="EarlyStopping on val_loss (stops once it did not rise: mode='max', patience=0) and a top-1 "
+        "ModelCheckpoint on val_loss into this directory",
+    )
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
 
@@ -199,6 +207,9 @@ def main() -> None:
     callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir), RecordMetrics()]
     if args.gate_dir is not None:
         callbacks.append(TestGates(args.gate_dir, group))
+    if args.monitor_dir is not None:
+        callbacks.append(EarlyStopping(monitor="val_loss", mode="max", patience=0))
+        callbacks.append(ModelCheckpoint(dirpath=args.monitor_dir, monitor="val_loss", save_top_k=1))
     if args.ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
@@ -223,7 +234,7 @@ def main() -> None:
         callbacks=callbacks,
         logger=CSVLogger(args.csv_logs, name="ft") if args.csv_logs else False,
         log_every_n_steps=1,
-        enable_checkpointing=args.ckpt_dir is not None,
+        enable_checkpointing=args.ckpt_dir is not None or args.monitor_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
