@@ -125,6 +125,7 @@ class CrossGroupCollectives:
 
         The signature of a torchmetrics ``dist_sync_fn``. An explicit ``group`` keeps the gather on that group.
         """
+        tensor = tensor.detach()
         if group is not None:
             return gather_all_tensors(tensor, group)
         local = gather_all_tensors(tensor) if _group_world_size() > 1 else [tensor]
@@ -135,6 +136,7 @@ class CrossGroupCollectives:
 
     def gather_equal(self, tensor: Tensor) -> Tensor:
         """Stack every participating process's ``tensor`` (same shape everywhere) along a new first dimension."""
+        tensor = tensor.detach()
         if _group_world_size() > 1:
             parts = [torch.empty_like(tensor) for _ in range(_group_world_size())]
             dist.all_gather(parts, tensor.contiguous())
