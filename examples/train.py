@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanAbsoluteError
 
 
 class RegressionModel(pl.LightningModule):
@@ -34,6 +35,8 @@ class RegressionModel(pl.LightningModule):
             torch.nn.GELU(),
             torch.nn.Linear(hidden, 1),
         )
+        # Under FTStrategy a torchmetrics Metric (and sync_dist=True) covers every replica group's shard.
+        self.val_mae = MeanAbsoluteError()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -43,7 +46,10 @@ class RegressionModel(pl.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        prediction = self.net(x)
+        self.log("val_loss", torch.nn.functional.mse_loss(prediction, y), sync_dist=True)
+        self.val_mae.update(prediction, y)
+        self.log("val_mae", self.val_mae)
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
