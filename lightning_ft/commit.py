@@ -40,6 +40,11 @@ class StepProtocol:
     def decided(self) -> bool:
         return self._decision is not None
 
+    @property
+    def quorum_open(self) -> bool:
+        """Whether the current optimizer step's quorum is open: from its first micro-batch until it is closed."""
+        return self._quorum_open
+
     def open_quorum(self) -> None:
         """Start this step's quorum unless one is already open (accumulation micro-batches share it).
 
