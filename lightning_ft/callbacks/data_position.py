@@ -120,6 +120,12 @@ class DataPositionCallback(Callback):
             log.warning("lightning-ft: training_step reads the dataloader itself; its position is not restored")
             return
         position = resume_fetcher(trainer, fetcher, plan)
+        log.info(
+            "lightning-ft: resuming this group's shard at epoch %d, batch %d (%s)",
+            trainer.current_epoch,
+            position,
+            "from its own loader state" if plan.loader_states else "by counting batches",
+        )
         events.emit(
             "data_position_restored",
             source=plan.source,
@@ -179,4 +185,9 @@ class DataPositionCallback(Callback):
                 target_position=target,
             )
             progress.is_last_batch = fetcher.done
+        log.info(
+            "lightning-ft: this group continues its shard at its peer's position: epoch %d, batch %d",
+            pending.target_epoch,
+            target,
+        )
         events.emit("data_repositioned", how=how, epoch=pending.target_epoch, batch=target, step=trainer.global_step)
