@@ -5,7 +5,12 @@ Importing this package registers ``"ft"`` in Lightning's strategy registry, so `
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ft.callbacks import ManagerCheckpointCallback, QuorumCallback, StateTransferCallback
+from lightning_ft.callbacks import (
+    DataPositionCallback,
+    ManagerCheckpointCallback,
+    QuorumCallback,
+    StateTransferCallback,
+)
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
 
@@ -14,6 +19,7 @@ __version__ = "0.1.0.dev0"
 FTStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "DataPositionCallback",
     "FTConfigError",
     "FTStrategy",
     "ManagerCheckpointCallback",

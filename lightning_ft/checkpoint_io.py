@@ -22,6 +22,22 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 
+def write_atomically(obj: Any, target: Path) -> None:
+    """``torch.save`` ``obj`` to the local file ``target`` whole or not at all: a temporary file in the same
+    directory (named ``.<target name>.*.partial``), flushed to disk, then renamed over ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with crash-safe local writes (temporary file, fsync, atomic rename)."""
 
@@ -31,17 +47,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        write_atomically(checkpoint, target)
         self._remove_stale_partials(target.parent)
 
     @staticmethod

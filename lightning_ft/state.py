@@ -8,8 +8,10 @@ strings, containers): the HTTP transport loads it with ``weights_only=True``.
 The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
 step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
 
-Deliberately *not* transferred: the data position. Each group reads its own shard, so the batch index within the
-epoch stays the group's own.
+The data position travels beside this state, under its own key: each group reads its own shard, so what a healing
+group takes from its peer is the *loop position* (epoch and batch counters), and it then moves its iterator to that
+position in its own shard (:class:`~lightning_ft.callbacks.DataPositionCallback`). Every group thus stays at the same
+batch index, which validation, epoch ends and cross-group metrics depend on.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
 from lightning_ft.manager import ManagerHandle, build_manager
+from lightning_ft.position_sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
@@ -273,9 +274,15 @@ class FTStrategy(DDPStrategy):
 
     def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
-        from lightning_ft.callbacks import ManagerCheckpointCallback, QuorumCallback, StateTransferCallback
+        from lightning_ft.callbacks import (
+            DataPositionCallback,
+            ManagerCheckpointCallback,
+            QuorumCallback,
+            StateTransferCallback,
+        )
 
-        defaults = [QuorumCallback, StateTransferCallback, ManagerCheckpointCallback]
+        # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum.
+        defaults = [DataPositionCallback, QuorumCallback, StateTransferCallback, ManagerCheckpointCallback]
         missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
         trainer.callbacks[0:0] = missing
 
@@ -414,7 +421,9 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write only on the single checkpoint writer (see :attr:`is_checkpoint_writer`), crash-safely."""
+        """Write only on the single checkpoint writer (see :attr:`is_checkpoint_writer`), crash-safely. Every rank
+        also writes its own data position beside it (see :mod:`lightning_ft.position_sidecars`)."""
+        save_own_position(checkpoint, filepath, self.replica_group_id, self.global_rank)
         if self.is_checkpoint_writer:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
@@ -423,6 +432,15 @@ class FTStrategy(DDPStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_checkpoint_writer:
             self.checkpoint_io.remove_checkpoint(filepath)
+            remove_sidecars(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the shared checkpoint, then give it this rank's own data position: its ``StatefulDataLoader``
+        state from the sidecar, or none (the group then counts its way to the restored batch)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        use_own_position(checkpoint, checkpoint_path, self.replica_group_id, self.global_rank, weights_only)
+        return checkpoint
 
     @override
     def on_train_end(self) -> None:

@@ -3,10 +3,13 @@
 * :class:`QuorumCallback` opens each optimizer step's quorum and keeps Lightning's step counters on committed steps.
 * :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
 * :class:`ManagerCheckpointCallback` stores the Manager's committed-step state in Lightning checkpoints.
+* :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
+  resume.
 """
 
 from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
+from lightning_ft.callbacks.data_position import DataPositionCallback
 from lightning_ft.callbacks.quorum import QuorumCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
 
-__all__ = ["ManagerCheckpointCallback", "QuorumCallback", "StateTransferCallback"]
+__all__ = ["DataPositionCallback", "ManagerCheckpointCallback", "QuorumCallback", "StateTransferCallback"]

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
@@ -35,8 +35,8 @@ class Regressor(pl.LightningModule):
         self.val_mse, self.test_mse = MeanSquaredError(), MeanSquaredError()
         self.val_spearman, self.test_spearman = SpearmanCorrCoef(), SpearmanCorrCoef()
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, y = batch[0], batch[1]  # an indexed dataset adds the sample ids
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         if self.sync_train_log:
@@ -87,6 +87,45 @@ def validation_dataset() -> TensorDataset:
     return TensorDataset(x, x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(128, 1, generator=generator))
 
 
+class IndexedDataset(Dataset):
+    """Samples that carry their own index, so the test can tell exactly which samples each group trained on.
+
+    Its ``state_dict`` names the replica group, which makes it part of a ``StatefulDataLoader``'s state: a group
+    handed another group's loader state stops here instead of silently reading from the wrong position.
+    """
+
+    def __init__(self, size: int, group: int) -> None:
+        self.inner, self.group = dataset(size), group
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x, y = self.inner[index]
+        return x, y, index
+
+    def state_dict(self) -> dict:
+        return {"replica_group": self.group}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["replica_group"] != self.group:
+            raise RuntimeError(f"group {self.group} was given group {state['replica_group']}'s loader state")
+        events.emit("loader_state_loaded", replica_group=state["replica_group"])
+
+
+class RecordBatches(pl.Callback):
+    """Emit a ``batch`` event per training batch: the committed step after it, the loop position, the sample ids."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        events.emit(
+            "batch",
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            batch_idx=trainer.fit_loop.batch_idx,
+            ids=batch[2].tolist(),
+        )
+
+
 class TestGates(pl.Callback):
     """File gates the test controls, each waited on with a deadline.
 
@@ -95,6 +134,8 @@ class TestGates(pl.Callback):
     * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
     * ``<dir>/pause.group<G>.rank<R>``: the same for one rank; it emits a ``paused`` event when it stops.
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
+    * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
+      batches before it (``paused`` event).
     """
 
     def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
@@ -117,6 +158,12 @@ class TestGates(pl.Callback):
         pause = self.directory / f"pause.group{self.group}.validation"
         if pause.exists():
             events.emit("paused", phase="validation", step=trainer.global_step)
+            self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        pause = self.directory / f"pause.group{self.group}.batch_start"
+        if pause.exists():
+            events.emit("paused", phase="batch_start", step=trainer.global_step)
             self._wait(lambda: not pause.exists(), f"{pause} to disappear")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
@@ -198,6 +245,8 @@ def main() -> None:
         "ModelCheckpoint on val_loss into this directory",
     )
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--index-data", type=int, default=None, help="train on N samples that carry their index")
+    parser.add_argument("--stateful-loader", action="store_true", help="torchdata's StatefulDataLoader")
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -210,6 +259,8 @@ def main() -> None:
     if args.monitor_dir is not None:
         callbacks.append(EarlyStopping(monitor="val_loss", mode="max", patience=0))
         callbacks.append(ModelCheckpoint(dirpath=args.monitor_dir, monitor="val_loss", save_top_k=1))
+    if args.index_data is not None:
+        callbacks.append(RecordBatches())
     if args.ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
@@ -237,8 +288,18 @@ def main() -> None:
         enable_checkpointing=args.ckpt_dir is not None or args.monitor_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler=not args.stateful_loader,
     )
-    loader = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
+    train_data = dataset() if args.index_data is None else IndexedDataset(args.index_data, group)
+    if args.stateful_loader:  # as docs/checkpointing.md shows: a sampler over this rank's shard of the whole job
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+        sampler_kwargs = trainer.strategy.distributed_sampler_kwargs
+        sampler = StatefulDistributedSampler(train_data, shuffle=True, seed=0, **sampler_kwargs)
+        loader = StatefulDataLoader(train_data, batch_size=args.batch_size, sampler=sampler)
+    else:
+        loader = DataLoader(train_data, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
     model = Regressor(manual=args.manual, sync_train_log=args.sync_train_log)
     trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
