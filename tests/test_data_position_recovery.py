@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 from harness import LaunchedJob, assert_bit_identical
 from test_fault_tolerance import GATES, assert_outcome, kill_and_restart, start_together
 from torch.utils.data import DistributedSampler
+
+from lightning_ft.position_sidecars import sidecar_path
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -112,19 +115,33 @@ def test_a_healed_group_continues_its_own_shard_at_its_peers_batch_index(launch,
         assert repositioned["how"] in ("restart", "epoch_end")
 
 
-def kill_every_group(job: LaunchedJob, groups: int) -> None:
-    """Stop every group at the start of a batch (all saves of the batches before it are done, in every group),
-    then SIGKILL each worker and its torchrun agent, the agent first so that nothing restarts the worker."""
-    for group in range(groups):
-        (job.root / f"pause.group{group}.batch_start").touch()
-    for group in range(groups):
-        pid = job.worker_pid(group, 0)
-        job.wait_for(f"group {group} to stop", lambda pid=pid: job.events("paused", pid=pid, phase="batch_start"))
-    for group in range(groups):
+def saved_step(path: Path) -> int | None:
+    try:
+        return torch.load(path, weights_only=False)["global_step"]
+    except FileNotFoundError:
+        return None
+
+
+def kill_every_group(job: LaunchedJob, ckpt_dir: Path) -> int:
+    """SIGKILL every group once each has saved its own data position of the same ``last.ckpt``; return its step.
+
+    The writer (group 0) is stopped at the start of a batch, after all its saves, so ``last.ckpt`` no longer
+    changes; group 1 cannot finish a step without it, so its last save is that same checkpoint, done when its
+    sidecar says so. Each worker's torchrun agent is killed first, so that nothing restarts the worker.
+    """
+    (job.root / "pause.group0.batch_start").touch()
+    writer = job.worker_pid(0, 0)
+    job.wait_for("group 0 to stop", lambda: job.events("paused", pid=writer, phase="batch_start"))
+    step = saved_step(ckpt_dir / "last.ckpt")
+    own_position = Path(sidecar_path(ckpt_dir / "last.ckpt", replica_group_id=1, group_rank=0))
+    job.wait_for(f"group 1 to save its data position at step {step}", lambda: saved_step(own_position) == step)
+    for group in (0, 1):
         worker = job.started(group, 0)
         os.kill(worker["ppid"], signal.SIGKILL)
         os.kill(worker["pid"], signal.SIGKILL)
     assert job.wait_exit() == 1  # the launcher reports the groups as failed
+    assert step is not None
+    return step
 
 
 @pytest.mark.parametrize(
@@ -156,9 +173,8 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
         lambda: [r for r in first.events("checkpoint_saved") if r["path"].endswith("last.ckpt") and r["step"] >= 20],
     )
     first_pids = {group: first.worker_pid(group, 0) for group in (0, 1)}
-    kill_every_group(first, groups=2)
-    saved_step = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"]
-    assert saved_step % 10 == 0 and saved_step % per_epoch != 0
+    last_step = kill_every_group(first, ckpt_dir)
+    assert last_step % 10 == 0 and last_step % per_epoch != 0
 
     resumed = launch("resumed", groups=2, worker_args=[*common, "--resume"])
     start_together(resumed, groups=2, nproc=1)
@@ -168,10 +184,10 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
         pid = resumed.worker_pid(group, 0)
         (restored,) = resumed.events("data_position_restored", pid=pid)
         assert restored["source"] == ("loader_state" if stateful else "counting")
-        before = [record for record in batches(first, first_pids[group]) if record["step"] <= saved_step]
+        before = [record for record in batches(first, first_pids[group]) if record["step"] <= last_step]
         after = batches(resumed, pid)
-        assert [record["step"] for record in before] == list(range(1, saved_step + 1))
-        assert [record["step"] for record in after] == list(range(saved_step + 1, max_steps + 1))
+        assert [record["step"] for record in before] == list(range(1, last_step + 1))
+        assert [record["step"] for record in after] == list(range(last_step + 1, max_steps + 1))
         for record in before + after:
             assert (record["epoch"], record["batch_idx"]) == divmod(record["step"] - 1, per_epoch), record
         assert_reads_its_own_shard(size, group, before + after)
