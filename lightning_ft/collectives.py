@@ -66,14 +66,24 @@ class CrossGroupCollectives:
     Args:
         manager: This group's torchft Manager.
         protocol: The fit's step protocol (``None`` for ``validate``/``test``, which have no optimizer steps).
+        position: Where this group is (for instance committed step, epoch, batches read); every participant of a
+            section must be at the same position, which the section's handshake checks.
         max_attempts: How many section quorums a sync-section collective tries before it falls back to the group's
             own value.
     """
 
-    def __init__(self, manager: Manager, protocol: StepProtocol | None, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        manager: Manager,
+        protocol: StepProtocol | None,
+        position: Callable[[], tuple[int, ...]] = lambda: (),
+        max_attempts: int = 3,
+    ) -> None:
         self.manager = manager
         self.protocol = protocol
+        self.position = position
         self.max_attempts = max_attempts
+        self._handshake_due = False
         # A section is identified by the number of step quorums opened before it: the next step quorum ends it.
         self._section: int | None = None
         self._section_quorum: int | None = None
@@ -171,6 +181,7 @@ class CrossGroupCollectives:
         process of the job on the same answer. Returns ``None`` when the collective failed.
         """
         in_step = self.protocol is not None and self.protocol.quorum_open
+        value: Any = None
         for _ in range(1 if in_step else self.max_attempts):
             if not in_step and self._section_quorum != self._section:
                 # shrink_only: only groups of the previous quorum take part, so a restarting group waits for the
@@ -178,20 +189,24 @@ class CrossGroupCollectives:
                 # group, and the first quorum of a validate/test run must be free to form.
                 self.manager.start_quorum(allow_heal=False, shrink_only=self.protocol is not None)
                 self._section_quorum = self._section
+                self._handshake_due = True
             outcome: tuple[bool, Any] = (False, None)
             if _group_rank() == 0:
                 try:
+                    if self._handshake_due and not in_step:
+                        self._handshake()
                     outcome = (True, collective())
                 except CrossGroupCollectiveError as error:
                     outcome = (False, str(error))
             ok, value = _share_from_group_rank_zero(outcome)
             if ok:
+                self._handshake_due = False
                 return value
             if in_step:
                 self._fall_back(f"a peer failed during a collective inside an optimizer step ({value})")
                 return None
             self._section_quorum = None
-        self._fall_back(f"{self.max_attempts} section quorums in a row failed")
+        self._fall_back(f"{self.max_attempts} section quorums in a row failed (the last one: {value})")
         return None
 
     def _fall_back(self, why: str) -> None:
@@ -200,6 +215,43 @@ class CrossGroupCollectives:
                 "lightning-ft: %s; this value covers this replica group only. Later failures are not reported.", why
             )
             self._warned = True
+
+    def _handshake(self) -> None:
+        """The first exchange of every section quorum: each participant's position, in a buffer of an odd number
+        of bytes.
+
+        Groups must meet in a section at the same position. Should one be somewhere else (a step that committed in
+        one group and not in another, just before a section), the odd length keeps it from pairing with anything
+        but another handshake: Gloo refuses an exchange whose sizes differ, so a training step's gradients (whole
+        floats) can never be summed with it. A participant at another position ends the attempt.
+        """
+        mine = torch.tensor(list(self.position()), dtype=torch.int64)
+        slot = mine.view(torch.uint8)
+        manager = self.manager
+        manager.wait_quorum()
+        slots = manager.num_participants()
+        rank = manager.participating_rank()
+        buffer = torch.zeros(slots * slot.numel() + 1, dtype=torch.uint8)
+        if rank is not None:
+            buffer[rank * slot.numel() : (rank + 1) * slot.numel()] = slot
+        self._allreduce_sum(buffer)
+        if slot.numel() == 0 or slots == 0:
+            return
+        positions = buffer[:-1].clone().reshape(slots, slot.numel()).view(torch.int64)
+        expected = positions[0] if rank is None else mine  # a group that is behind only checks the others agree
+        for index, other in enumerate(positions):
+            if not torch.equal(other, expected):
+                raise CrossGroupCollectiveError(
+                    f"replica groups are out of step: participant {index} is at {other.tolist()}, "
+                    f"expected {expected.tolist()} (committed step, epoch, batches read)"
+                )
+
+    def _allreduce_sum(self, buffer: Tensor) -> None:
+        manager = self.manager
+        manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
+        failure = manager.errored()
+        if failure is not None:
+            raise CrossGroupCollectiveError(str(failure.original_exception)) from failure.original_exception
 
     def _slot_gather(self, tensor: Tensor) -> Tensor:
         """``[num_participants, *tensor.shape]``: every participating group's ``tensor``, exact."""
@@ -211,10 +263,7 @@ class CrossGroupCollectives:
         buffer = torch.zeros((slots, *tensor.shape), dtype=wire_dtype, device=tensor.device)
         if mine is not None:
             buffer[mine] = tensor.to(wire_dtype)
-        manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
-        failure = manager.errored()
-        if failure is not None:
-            raise CrossGroupCollectiveError(str(failure.original_exception)) from failure.original_exception
+        self._allreduce_sum(buffer)
         return buffer.to(tensor.dtype)
 
     def _gather_uneven(self, local: list[Tensor]) -> list[Tensor]:

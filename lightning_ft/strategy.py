@@ -40,6 +40,7 @@ dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to r
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -71,6 +73,8 @@ from lightning_ft.position_sidecars import remove_sidecars, save_own_position, u
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 class FTStrategy(DDPStrategy):
@@ -270,7 +274,14 @@ class FTStrategy(DDPStrategy):
             self._protocol = StepProtocol(self._handle.manager)
             self._add_default_callbacks(trainer)
             events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), ppid=os.getppid())
-        self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol)
+        self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
+
+    def _section_position(self) -> tuple[int, int, int]:
+        """Where this group is when it enters a sync section: committed step, epoch, batches read in this fit."""
+        trainer = self.lightning_module.trainer
+        step = self._handle.manager.current_step() if self._handle is not None else 0
+        batches = trainer.fit_loop.epoch_loop.batch_progress.total.ready if self._protocol is not None else 0
+        return step, trainer.current_epoch if self._protocol is not None else 0, batches
 
     def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
@@ -291,9 +302,28 @@ class FTStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._gate_step_lr_schedulers(trainer)
+            self._name_checkpoints_alike_in_every_group(trainer)
         if self._collectives is not None:
             self._keep_dataloader_checks_group_local(trainer)
             self._sync_metrics_across_groups()
+
+    @staticmethod
+    def _name_checkpoints_alike_in_every_group(trainer: pl.Trainer) -> None:
+        """Turn off ``ModelCheckpoint``'s version counter, which would name one checkpoint differently per group.
+
+        Every group runs ``ModelCheckpoint``; only the writer writes. With the counter on, a group that checks for
+        ``step=N.ckpt`` after the writer wrote it calls its own copy ``step=N-v1.ckpt``, so its callback state
+        (best, last and top-k paths) names files that are never written, and a group that takes over writing
+        would save under other names. Without it, a name is a function of the step and metrics only, the same
+        everywhere; an existing file of that name is overwritten, as when a job resumes into its own directory.
+        """
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback._enable_version_counter:
+                callback._enable_version_counter = False
+                log.info(
+                    "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
+                    "must give a checkpoint the same name."
+                )
 
     def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:
         """Shadow a bound method with an instance attribute, undone at teardown (a trainer may fit again)."""

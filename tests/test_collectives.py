@@ -61,13 +61,15 @@ class FakeManager:
 class FakeJob:
     def __init__(self, slots: list[int | None]) -> None:
         self.managers = [FakeManager(self, slot) for slot in slots]
-        self._barrier = threading.Barrier(len(slots))
+        self._barrier = threading.Barrier(len(slots), timeout=10)
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self.exchanged: list[tuple[torch.dtype, int]] = []
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
         with self._lock:
             self._buffers.append(tensor)
+            self.exchanged.append((tensor.dtype, tensor.numel()))
         self._barrier.wait()
         total = torch.stack(self._buffers).sum(dim=0)
         self._barrier.wait()
@@ -83,9 +85,15 @@ class FakeProtocol:
         self.quorums_opened = 1
 
 
-def run_groups(job: FakeJob, work: Any, protocols: list[Any] | None = None) -> list[Any]:
+def run_groups(
+    job: FakeJob, work: Any, protocols: list[Any] | None = None, positions: list[tuple[int, ...]] | None = None
+) -> list[Any]:
     collectives = [
-        CrossGroupCollectives(manager, protocols[index] if protocols else None)  # type: ignore[arg-type]
+        CrossGroupCollectives(
+            manager,  # type: ignore[arg-type]
+            protocols[index] if protocols else None,  # type: ignore[arg-type]
+            position=(lambda index=index: positions[index]) if positions else (lambda: ()),
+        )
         for index, manager in enumerate(job.managers)
     ]
     for each in collectives:
@@ -179,3 +187,25 @@ def test_unknown_reduce_ops_are_refused_with_the_supported_ones_named(op):
     collectives = CrossGroupCollectives(FakeJob([0]).managers[0], None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'sum', 'mean', 'max' or 'min'"):
         collectives.reduce(torch.tensor(1.0), op)
+
+
+def test_a_section_starts_with_a_handshake_of_an_odd_number_of_bytes():
+    """Whole floats (a training step's gradients) can never be paired with it."""
+    job = FakeJob([0, 1])
+    protocols = [FakeProtocol(quorum_open=False), FakeProtocol(quorum_open=False)]
+    positions = [(7, 0, 70), (7, 0, 70)]
+    results = run_groups(job, lambda index, c: c.reduce(torch.tensor(1.0), "sum"), protocols, positions)
+    assert [r.item() for r in results] == [2.0, 2.0]
+    handshakes = [(dtype, numel) for dtype, numel in job.exchanged if dtype == torch.uint8]
+    assert handshakes == [(torch.uint8, 2 * 3 * 8 + 1)] * 2
+
+
+def test_groups_at_different_positions_do_not_combine_their_values(caplog):
+    job = FakeJob([0, 1])
+    protocols = [FakeProtocol(quorum_open=False), FakeProtocol(quorum_open=False)]
+    positions = [(7, 0, 70), (6, 0, 69)]
+    results = run_groups(job, lambda index, c: c.reduce(torch.tensor(float(index + 1)), "sum"), protocols, positions)
+    assert [r.item() for r in results] == [1.0, 2.0]
+    assert all(len(manager.quorums) == 3 for manager in job.managers)
+    assert "3 section quorums in a row failed" in caplog.text
+    assert "replica groups are out of step: participant 1 is at [6, 0, 69], expected [7, 0, 70]" in caplog.text

@@ -7,12 +7,14 @@ before the vote (as a failed cross-group allreduce does), so ``should_commit()``
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from harness import assert_tree_equal
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FTStrategy
@@ -233,14 +235,34 @@ class WithValidation(Regressor):
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
 
-def test_validate_and_test_outside_fit_run_as_plain_ddp_without_a_manager():
+def test_validate_and_test_outside_fit_get_a_manager_of_their_own_and_shut_it_down():
+    class SeesManager(pl.Callback):
+        managers: list[object] = []
+
+        def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.managers.append(trainer.strategy.manager)
+
     strategy = FTStrategy()
-    run = trainer(strategy)
+    seen = SeesManager()
+    run = trainer(strategy, callbacks=[seen])
     model = WithValidation()
     [metrics] = run.validate(model, loader(n=64))
     assert "val_loss" in metrics
-    assert strategy._handle is None
-    assert strategy.is_checkpoint_writer  # no Manager outside fit: group 0 rank 0 writes
+    assert len(seen.managers) == 1  # combined across groups through a Manager...
+    assert strategy._handle is None  # ...that teardown shut down
+    assert strategy.is_checkpoint_writer  # outside fit, group 0 rank 0 writes
+
+
+def test_model_checkpoint_names_do_not_depend_on_what_other_groups_already_wrote(tmp_path):
+    """With Lightning's version counter, a group that looks after the writer wrote ``step=N.ckpt`` would call its
+    own copy ``step=N-v1.ckpt``: its ModelCheckpoint state would name files that are never written."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    run = trainer(callbacks=[checkpoint], max_steps=2, enable_checkpointing=True)
+    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"written by another group")
+    run.fit(Regressor(), loader())
+    assert checkpoint._enable_version_counter is False
+    assert Path(checkpoint.best_model_path).name == "epoch=0-step=2.ckpt"
+    assert Path(checkpoint.last_model_path).name == "last.ckpt"
 
 
 def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
