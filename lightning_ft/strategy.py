@@ -62,6 +62,7 @@ from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft import events
+from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
 from lightning_ft.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
@@ -88,7 +89,8 @@ class FTStrategy(DDPStrategy):
             neither and a single group, one is started in this process.
         min_replica_size: A step commits only if at least this many groups took part in it.
         use_async_quorum: Compute the quorum during the forward pass (faster). A group that is behind then sits out
-            one step and heals inside the commit vote. With ``False`` it heals before its forward pass.
+            one step and heals inside the commit vote. With ``False`` it heals before its forward pass. Default:
+            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``).
         timeout: Seconds for cross-group collectives, the commit vote and state transfer.
         quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
@@ -100,6 +102,18 @@ class FTStrategy(DDPStrategy):
             process group).
         hostname: Address this group advertises to other groups for healing and its store. Default: the hostname.
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
+        algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
+            ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
+            inner steps). See ``docs/semi-sync.md``; the semi-synchronous ones are validated but cannot fit yet.
+        sync_every: Inner optimizer steps between two syncs; required by ``local_sgd`` and ``diloco`` only.
+        outer_optimizer: DiLoCo only: ``{"class_path": ..., "init_args": {...}}`` or a callable
+            ``params -> Optimizer``. Default: Nesterov SGD, lr 0.7, momentum 0.9.
+        fragments: DiLoCo only: a number ``k`` (automatic split into ``k`` fragments) or lists of module names, one
+            list per fragment, for streaming DiLoCo. Default: 1 (the whole model syncs at once).
+        fragment_sync_delay: DiLoCo only: inner steps a fragment's allreduce may overlap (below
+            ``sync_every / fragments``). Default 0.
+        fragment_update_alpha: DiLoCo only: in [0, 1]; 0 takes the new global parameters, 1 keeps the local ones.
+        quantize: DiLoCo only: quantise pseudo-gradients for the allreduce. Needs CUDA and Triton.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` and on to torch's
             ``DistributedDataParallel`` (``find_unused_parameters`` is always ``True``, see ``_setup_model``).
     """
@@ -112,7 +126,7 @@ class FTStrategy(DDPStrategy):
         num_replica_groups: int | None = None,
         lighthouse: str | None = None,
         min_replica_size: int = 1,
-        use_async_quorum: bool = True,
+        use_async_quorum: bool | None = None,
         timeout: float = 60.0,
         quorum_timeout: float = 60.0,
         connect_timeout: float = 60.0,
@@ -122,6 +136,13 @@ class FTStrategy(DDPStrategy):
         checkpoint_transport: str = "http",
         hostname: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
+        algorithm: str = "ddp",
+        sync_every: int | None = None,
+        outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
+        fragments: int | list[list[str]] | None = None,
+        fragment_sync_delay: int | None = None,
+        fragment_update_alpha: float | None = None,
+        quantize: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -152,12 +173,22 @@ class FTStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             **kwargs,
         )
+        self.algorithm: AlgorithmSettings = resolve_algorithm(
+            algorithm=algorithm,
+            use_async_quorum=use_async_quorum,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            fragments=fragments,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            quantize=quantize,
+        )
         self.settings: FTSettings = resolve_settings(
             replica_group_id=replica_group_id,
             num_replica_groups=num_replica_groups,
             lighthouse=lighthouse,
             min_replica_size=min_replica_size,
-            use_async_quorum=use_async_quorum,
+            use_async_quorum=self.algorithm.use_async_quorum,
             timeout=timeout,
             quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout,
@@ -258,8 +289,15 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         trainer = self.lightning_module.trainer
+        if self.algorithm.semi_sync and trainer.state.fn == TrainerFn.FITTING:
+            # Refused before any process group or Manager exists: training synchronously instead would be a silent
+            # change of algorithm.
+            raise NotImplementedError(
+                f"FTStrategy(algorithm={self.algorithm.algorithm!r}) is validated but cannot fit yet (see "
+                f"docs/semi-sync.md). Use algorithm='ddp'."
+            )
+        super().setup_environment()
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
         events.configure(self.settings.replica_group_id, self.global_rank)
