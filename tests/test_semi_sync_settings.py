@@ -191,3 +191,32 @@ def test_semi_sync_fit_is_refused_until_built(tmp_path):
     )
     with pytest.raises(NotImplementedError, match=r"algorithm='local_sgd'.*cannot fit yet"):
         trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize(("config", "algorithm"), [("local_sgd.yaml", "local_sgd"), ("diloco.yaml", "diloco")])
+def test_example_configs_parse_into_the_strategy(config, algorithm, monkeypatch):
+    """The example YAMLs reach FTStrategy through LightningCLI; jsonargparse turns the outer optimizer's
+    class_path/init_args into a callable (the ``Callable[[params], Optimizer]`` hint)."""
+    import sys
+
+    from harness import REPO
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py", f"--config={REPO / 'examples' / 'configs' / config}"])
+    cli = LightningCLI(
+        train.RegressionModel,
+        train.SyntheticData,
+        run=False,
+        trainer_defaults={"accelerator": "cpu", "devices": 1},
+        save_config_callback=None,
+    )
+    settings = cli.trainer.strategy.algorithm
+    assert settings.algorithm == algorithm and settings.use_async_quorum is False
+    if algorithm == "diloco":
+        assert (settings.num_fragments, settings.sync_period, settings.fragment_sync_delay) == (2, 20, 2)
+        outer = settings.outer_optimizer([nn.Parameter(torch.zeros(1))])
+        group = outer.param_groups[0]
+        assert (type(outer), group["lr"], group["momentum"], group["nesterov"]) == (torch.optim.SGD, 0.7, 0.9, True)
