@@ -40,6 +40,7 @@ dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to r
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,8 @@ from lightning_ft.position_sidecars import remove_sidecars, save_own_position, u
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 class FTStrategy(DDPStrategy):
@@ -290,7 +293,7 @@ class FTStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer
-        if self.algorithm.semi_sync and trainer.state.fn == TrainerFn.FITTING:
+        if self.algorithm.algorithm == "diloco" and trainer.state.fn == TrainerFn.FITTING:
             # Refused before any process group or Manager exists: training synchronously instead would be a silent
             # change of algorithm.
             raise NotImplementedError(
@@ -317,21 +320,40 @@ class FTStrategy(DDPStrategy):
             ManagerCheckpointCallback,
             QuorumCallback,
             StateTransferCallback,
+            SyncCallback,
         )
 
-        # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum.
-        defaults = [DataPositionCallback, QuorumCallback, StateTransferCallback, ManagerCheckpointCallback]
+        # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum
+        # (SyncCallback, a sync's quorum).
+        opens_quorums = SyncCallback if self.algorithm.semi_sync else QuorumCallback
+        defaults = [DataPositionCallback, opens_quorums, StateTransferCallback, ManagerCheckpointCallback]
         missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
         trainer.callbacks[0:0] = missing
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.algorithm.semi_sync:
+            # Semi-synchronous: LR schedulers follow inner steps, which always happen.
             self._gate_step_lr_schedulers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.algorithm.semi_sync:
+            self._warn_unsynced_tail(trainer)
         if self._collectives is not None:
             self._keep_dataloader_checks_group_local(trainer)
             self._sync_metrics_across_groups()
+
+    def _warn_unsynced_tail(self, trainer: pl.Trainer) -> None:
+        """The final sync happens only at a sync step: with ``max_steps`` not a multiple of ``sync_every``, the last
+        inner steps stay local and the replicas end different."""
+        sync_every = self.algorithm.sync_every
+        if sync_every is not None and trainer.max_steps > 0 and trainer.max_steps % sync_every:
+            log.warning(
+                "lightning-ft: max_steps=%d is not a multiple of sync_every=%d; the last %d inner steps are not "
+                "synchronised, so replica groups end with different parameters.",
+                trainer.max_steps,
+                sync_every,
+                trainer.max_steps % sync_every,
+            )
 
     def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:
         """Shadow a bound method with an instance attribute, undone at teardown (a trainer may fit again)."""
@@ -367,6 +389,8 @@ class FTStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
+        if self.algorithm.semi_sync:
+            return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
         state = FTCommState(
             manager=self.manager,
             group=None,
@@ -444,6 +468,8 @@ class FTStrategy(DDPStrategy):
         because every rank of the group must take part in it exactly once per step. Gradients were averaged across
         groups before unscaling, so every replica skips alike.
         """
+        if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         protocol = self.step_protocol
         gated = CommitGatedOptimizer(optimizer, protocol)
         output = self.precision_plugin.optimizer_step(

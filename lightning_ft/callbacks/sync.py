@@ -1,0 +1,114 @@
+"""Semi-synchronous training: inner steps inside the group, a cross-group sync every ``sync_every`` inner steps.
+
+Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStrategy(algorithm="local_sgd")``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.algorithms.local_sgd import local_sgd_sync
+from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
+from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+SYNC_STATE_KEY = "semi_sync"
+
+
+def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
+    algorithm = getattr(trainer.strategy, "algorithm", None)
+    if not isinstance(algorithm, AlgorithmSettings) or not algorithm.semi_sync:
+        raise RuntimeError("SyncCallback needs FTStrategy(algorithm='local_sgd').")
+    return algorithm
+
+
+class SyncCallback(Callback):
+    """Syncs at the start of the batch that follows every ``sync_every``-th inner step, and once more at the end of
+    training.
+
+    Why at a batch start, not right after the inner step: a group that restarts joins with a sync at the start of its
+    first batch (the lighthouse holds its quorum request until its peers open their next sync), so when every sync
+    sits at a batch start, the joining group and its peers make the same collectives at the same place of the loop:
+    the heal payload's loop position (taken by :class:`~lightning_ft.callbacks.DataPositionCallback` just before
+    the quorum) is exactly the batch the joining group is about to train, and the epoch rollover is Lightning's.
+
+    ``trainer.global_step`` counts inner steps and is Lightning's own; a healing group takes its peer's value from the
+    heal payload. The Manager step counts committed syncs (the join sync at the start of the job included).
+    """
+
+    def __init__(self) -> None:
+        self._joined = False
+        self._last_sync_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _algorithm(trainer)
+        self._joined = False
+        self._last_sync_step = None
+
+        def save() -> dict[str, int]:
+            return {
+                "global_step": trainer.global_step,
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            }
+
+        def load(state: dict[str, int]) -> None:
+            align_step_counters(trainer, int(state["global_step"]))
+            align_logger_step(trainer, int(state["batches_that_stepped"]))
+
+        ft_manager(trainer).register_state_dict_fn(SYNC_STATE_KEY, load, save)
+
+    def _sync(self, trainer: pl.Trainer, reason: str) -> None:
+        protocol = ft_step_protocol(trainer)
+        committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
+        manager = protocol.manager
+        self._last_sync_step = trainer.global_step
+        if events.enabled():
+            events.emit(
+                "step",
+                step=manager.current_step(),
+                global_step=trainer.global_step,
+                committed=committed,
+                participants=manager.num_participants(),
+                sync=reason,
+            )
+        if committed and manager.current_step() == 1 and trainer.world_size > 1:
+            broadcast_state_in_group(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._joined:
+            events.emit("joining", step=ft_manager(trainer).current_step())
+            self._joined = True
+            self._sync(trainer, "join")
+            return
+        step = trainer.global_step
+        if step % _algorithm(trainer).sync_every == 0 and step != self._last_sync_step:  # type: ignore[operator]
+            self._sync(trainer, "periodic")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """As with per-step training, every group ends an epoch at the same ``global_step``."""
+        ft_collectives(trainer).open_section()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final sync: every group ends training at the same ``global_step`` and leaves with the same parameters.
+
+        Only when that step is a sync step; otherwise the last inner steps stay local (FTStrategy warns at setup).
+        """
+        step = trainer.global_step
+        if self._joined and step % _algorithm(trainer).sync_every == 0 and step != self._last_sync_step:  # type: ignore[operator]
+            self._sync(trainer, "final")
