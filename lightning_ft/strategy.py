@@ -293,12 +293,11 @@ class FTStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer
-        if self.algorithm.algorithm == "diloco" and trainer.state.fn == TrainerFn.FITTING:
-            # Refused before any process group or Manager exists: training synchronously instead would be a silent
-            # change of algorithm.
+        if self.algorithm.fragment_sync_delay and trainer.state.fn == TrainerFn.FITTING:
+            # Refused before any process group or Manager exists, rather than silently syncing without the delay.
             raise NotImplementedError(
-                f"FTStrategy(algorithm={self.algorithm.algorithm!r}) is validated but cannot fit yet (see "
-                f"docs/semi-sync.md). Use algorithm='ddp'."
+                f"FTStrategy(fragment_sync_delay={self.algorithm.fragment_sync_delay}) is validated but cannot fit "
+                f"yet (see docs/semi-sync.md). Use fragment_sync_delay=0."
             )
         super().setup_environment()
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
@@ -345,14 +344,14 @@ class FTStrategy(DDPStrategy):
     def _warn_unsynced_tail(self, trainer: pl.Trainer) -> None:
         """The final sync happens only at a sync step: with ``max_steps`` not a multiple of ``sync_every``, the last
         inner steps stay local and the replicas end different."""
-        sync_every = self.algorithm.sync_every
-        if sync_every is not None and trainer.max_steps > 0 and trainer.max_steps % sync_every:
+        period = self.algorithm.sync_period
+        if trainer.max_steps > 0 and trainer.max_steps % period:
             log.warning(
-                "lightning-ft: max_steps=%d is not a multiple of sync_every=%d; the last %d inner steps are not "
-                "synchronised, so replica groups end with different parameters.",
+                "lightning-ft: max_steps=%d is not a multiple of the sync period %d (sync_every / fragments); the "
+                "last %d inner steps are not synchronised, so replica groups end with different parameters.",
                 trainer.max_steps,
-                sync_every,
-                trainer.max_steps % sync_every,
+                period,
+                trainer.max_steps % period,
             )
 
     def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:

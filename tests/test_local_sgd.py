@@ -81,5 +81,5 @@ def test_accumulation_counts_optimizer_steps(tmp_path):
 def test_max_steps_not_a_multiple_of_sync_every_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning.pytorch.lightning_ft"):
         _, recorder = fit(tmp_path, max_steps=5, sync_every=2)
-    assert "max_steps=5 is not a multiple of sync_every=2" in caplog.text
+    assert "max_steps=5 is not a multiple of the sync period 2" in caplog.text
     assert recorder.final == (5, 3)  # join, after 2, after 4; no final sync at 5

@@ -176,11 +176,11 @@ def test_automatic_split_is_contiguous_disjoint_and_complete(k):
     assert shared == {id(p) for p in model.parameters() if p.requires_grad}  # shared, not copied
 
 
-def test_diloco_fit_is_refused_until_built(tmp_path):
+def test_fragment_sync_delay_fit_is_refused_until_built(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     trainer = pl.Trainer(
-        strategy=FTStrategy(algorithm="diloco", sync_every=2),
+        strategy=FTStrategy(algorithm="diloco", sync_every=4, fragment_sync_delay=1),
         accelerator="cpu",
         devices=1,
         max_steps=1,
@@ -189,7 +189,7 @@ def test_diloco_fit_is_refused_until_built(tmp_path):
         enable_progress_bar=False,
         default_root_dir=tmp_path,
     )
-    with pytest.raises(NotImplementedError, match=r"algorithm='diloco'.*cannot fit yet"):
+    with pytest.raises(NotImplementedError, match=r"fragment_sync_delay=1.*cannot fit yet"):
         trainer.fit(BoringModel())
 
 

@@ -43,17 +43,14 @@ def _copy_into(params: Iterable[Tensor], values: Iterable[Tensor]) -> None:
 
 
 def local_sgd_sync(protocol: StepProtocol, params: list[Tensor]) -> bool:
-    """One sync: quorum (a group that is behind heals here, with synchronous quorum), average, vote, apply.
+    """One sync on the open quorum (a group that is behind healed while it opened, with synchronous quorum):
+    average, vote, apply.
 
     A sync that does not commit leaves every group with its own local parameters, as torchft's LocalSGD does; the
     inner steps are not rolled back. Returns whether it committed.
     """
-    protocol.open_quorum()
-    try:
-        averaged = average_parameters(protocol.manager, params)
-        committed = protocol.commit()
-        if committed:
-            _copy_into(params, averaged)
-        return committed
-    finally:
-        protocol.close()
+    averaged = average_parameters(protocol.manager, params)
+    committed = protocol.commit()
+    if committed:
+        _copy_into(params, averaged)
+    return committed

@@ -1,6 +1,7 @@
 """Semi-synchronous training: inner steps inside the group, a cross-group sync every ``sync_every`` inner steps.
 
-Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStrategy(algorithm="local_sgd")``.
+Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStrategy(algorithm="local_sgd")`` or
+``"diloco"``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.algorithms.diloco import DiLoCoSync
 from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
+from lightning_ft.settings import FTConfigError
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -26,13 +29,13 @@ SYNC_STATE_KEY = "semi_sync"
 def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
     algorithm = getattr(trainer.strategy, "algorithm", None)
     if not isinstance(algorithm, AlgorithmSettings) or not algorithm.semi_sync:
-        raise RuntimeError("SyncCallback needs FTStrategy(algorithm='local_sgd').")
+        raise RuntimeError("SyncCallback needs FTStrategy(algorithm='local_sgd') or 'diloco'.")
     return algorithm
 
 
 class SyncCallback(Callback):
-    """Syncs at the start of the batch that follows every ``sync_every``-th inner step, and once more at the end of
-    training.
+    """Syncs at the start of the batch that follows every ``sync_period``-th inner step (``sync_every``, or
+    ``sync_every / fragments`` for streaming DiLoCo, one fragment per sync), and once more at the end of training.
 
     Why at a batch start, not right after the inner step: a group that restarts joins with a sync at the start of its
     first batch (the lighthouse holds its quorum request until its peers open their next sync), so when every sync
@@ -47,6 +50,7 @@ class SyncCallback(Callback):
     def __init__(self) -> None:
         self._joined = False
         self._last_sync_step: int | None = None
+        self._diloco: DiLoCoSync | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -55,6 +59,7 @@ class SyncCallback(Callback):
         _algorithm(trainer)
         self._joined = False
         self._last_sync_step = None
+        self._diloco = None
 
         def save() -> dict[str, int]:
             return {
@@ -68,10 +73,32 @@ class SyncCallback(Callback):
 
         ft_manager(trainer).register_state_dict_fn(SYNC_STATE_KEY, load, save)
 
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """DiLoCo's fragments are built here: after a checkpoint restore (their backups start from the restored
+        weights) and before the first batch's join sync (they register their heal state with the Manager)."""
+        if _algorithm(trainer).algorithm != "diloco":
+            return
+        if len(trainer.optimizers) != 1:
+            raise FTConfigError(
+                f"algorithm='diloco' needs exactly one (inner) optimizer, but configure_optimizers() returned "
+                f"{len(trainer.optimizers)}. Return a single optimizer."
+            )
+        self._diloco = DiLoCoSync(ft_manager(trainer), pl_module, trainer.optimizers[0], _algorithm(trainer))
+
     def _sync(self, trainer: pl.Trainer, reason: str) -> None:
         protocol = ft_step_protocol(trainer)
-        committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
         manager = protocol.manager
+        protocol.open_quorum()
+        try:
+            if self._diloco is None:
+                committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
+            elif reason == "join" and manager.current_step() == 0:
+                committed = self._diloco.join_at_start(protocol)
+            else:
+                committed = self._diloco.sync(protocol)
+        finally:
+            protocol.close()
         self._last_sync_step = trainer.global_step
         if events.enabled():
             events.emit(
@@ -95,7 +122,7 @@ class SyncCallback(Callback):
             self._sync(trainer, "join")
             return
         step = trainer.global_step
-        if step % _algorithm(trainer).sync_every == 0 and step != self._last_sync_step:  # type: ignore[operator]
+        if step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step:
             self._sync(trainer, "periodic")
 
     @override
@@ -108,7 +135,15 @@ class SyncCallback(Callback):
         """The final sync: every group ends training at the same ``global_step`` and leaves with the same parameters.
 
         Only when that step is a sync step; otherwise the last inner steps stay local (FTStrategy warns at setup).
+        Streaming DiLoCo syncs every fragment in turn, taking the global parameters (``fragment_update_alpha`` is
+        not applied), so that no fragment is left with local values.
         """
         step = trainer.global_step
-        if self._joined and step % _algorithm(trainer).sync_every == 0 and step != self._last_sync_step:  # type: ignore[operator]
+        if not self._joined or step % _algorithm(trainer).sync_period or step == self._last_sync_step:
+            return
+        if self._diloco is None:
             self._sync(trainer, "final")
+            return
+        with self._diloco.without_update_alpha():
+            for _ in range(self._diloco.num_fragments):
+                self._sync(trainer, "final")
