@@ -107,7 +107,7 @@ class FTStrategy(DDPStrategy):
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
             ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
-            inner steps). See ``docs/semi-sync.md``; the semi-synchronous ones are validated but cannot fit yet.
+            inner steps). See ``docs/semi-sync.md`` (``fragment_sync_delay`` > 0 is validated but cannot fit yet).
         sync_every: Inner optimizer steps between two syncs; required by ``local_sgd`` and ``diloco`` only.
         outer_optimizer: DiLoCo only: ``{"class_path": ..., "init_args": {...}}`` or a callable
             ``params -> Optimizer``. Default: Nesterov SGD, lr 0.7, momentum 0.9.

@@ -1,5 +1,6 @@
-"""LocalSGD with real processes: a SIGKILLed group is restarted by torchrun, heals at the next sync, and every
-replica ends with bit-identical parameters after the final sync."""
+"""LocalSGD and DiLoCo with real processes: a SIGKILLed group is restarted by torchrun, heals at the next sync
+(with DiLoCo: the backup parameters and outer optimizer state too), and every replica ends with bit-identical
+parameters after the final sync."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from test_fault_tolerance import GATES, start_together
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
-def test_local_sgd_sigkill_one_of_two_groups(launch):
+@pytest.mark.parametrize(
+    ("algorithm", "fragments"),
+    [
+        pytest.param("local_sgd", 1, id="local_sgd"),
+        pytest.param("diloco", 1, id="diloco"),
+        pytest.param("diloco", 2, id="streaming-diloco-2-fragments"),
+    ],
+)
+def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
     """2 groups x 1 process, sync every 4 inner steps. The victim is stopped between two syncs (so no sync is cut in
     half) and SIGKILLed; the survivor syncs alone; the restarted group's join sync is the survivor's next sync."""
     max_steps, sync_every = 48, 4
@@ -23,8 +32,9 @@ def test_local_sgd_sigkill_one_of_two_groups(launch):
         worker_args=[
             f"--max-steps={max_steps}",
             "--async-quorum=0",
-            "--algorithm=local_sgd",
+            f"--algorithm={algorithm}",
             f"--sync-every={sync_every}",
+            *([f"--fragments={fragments}"] if algorithm == "diloco" else []),
             *GATES,
         ],
     )
@@ -63,11 +73,12 @@ def test_local_sgd_sigkill_one_of_two_groups(launch):
 
     states = job.final_states()
     assert sorted(states) == [(0, 0), (1, 0)], sorted(states)
-    expected_syncs = 1 + max_steps // sync_every  # the job's join sync, then one per sync_every inner steps
+    # The job's join sync, one per sync period (sync_every / fragments), and the final sync's other fragments.
+    expected_syncs = 1 + max_steps // (sync_every // fragments) + (fragments - 1)
     for key, state in states.items():
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
         assert state["manager_step"] == expected_syncs, f"{key}: manager step {state['manager_step']}"
-    # Parameters and the LR schedule are identical; each group keeps its own inner optimizer state (LocalSGD
-    # averages parameters only).
+    # Parameters and the LR schedule are identical; each group keeps its own inner optimizer state (only parameters,
+    # or pseudo-gradients, are averaged).
     for name in ("model", "lr_schedulers", "lrs"):
         assert_tree_equal(states[(0, 0)][name], states[(1, 0)][name], name)
