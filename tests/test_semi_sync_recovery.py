@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from harness import assert_tree_equal
+from harness import LaunchedJob, assert_tree_equal
 from test_fault_tolerance import GATES, start_together
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -24,8 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
     ],
 )
 def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
-    """2 groups x 1 process, sync every 4 inner steps. The victim is stopped between two syncs (so no sync is cut in
-    half) and SIGKILLed; the survivor syncs alone; the restarted group's join sync is the survivor's next sync."""
+    """2 groups x 1 process, a sync every 4 inner steps (one fragment every 2 with 2 fragments)."""
     max_steps, sync_every = 48, 4
     job = launch(
         groups=2,
@@ -39,15 +38,45 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
         ],
     )
     start_together(job, groups=2, nproc=1)
-    attempt = job.attempt(1, 0)
-    victim = job.worker_pid(1, 0, attempt)
+    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0)
+    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
+
+
+def test_local_sgd_sigkill_rank_of_two_process_group_with_accumulation(launch):
+    """2 groups x 2 processes: inner steps use DDP inside the group (with accumulation and clipping on the inner
+    optimizer); killing one rank restarts its whole group, which rejoins at the next sync."""
+    max_steps, sync_every = 32, 4
+    job = launch(
+        groups=2,
+        nproc_per_group=2,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--accumulate=2",
+            "--clip=0.5",
+            "--async-quorum=0",
+            "--algorithm=local_sgd",
+            f"--sync-every={sync_every}",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=2)
+    kill_between_syncs_and_restart(job, nproc=2, victim_rank=1)
+    assert_outcome(job, nproc=2, max_steps=max_steps, syncs=1 + max_steps // sync_every)
+
+
+def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank: int) -> None:
+    """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
+    is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) until every restarted rank of group 1 is
+    about to ask for its join sync, which the lighthouse then holds until group 0's next sync."""
+    attempt = job.attempt(1, victim_rank)
+    victim = job.worker_pid(1, victim_rank, attempt)
     job.wait_for(
         "group 1 to commit 3 syncs with its peer",
         lambda: (
             len([e for e in job.events("step", group=1, pid=victim, committed=True) if e["participants"] == 2]) >= 3
         ),
     )
-    gate = job.root / "pause.group1.rank0"
+    gate = job.root / f"pause.group1.rank{victim_rank}"
     gate.touch()
     job.wait_for("group 1 to stop between two syncs", lambda: job.events("paused", pid=victim))
     killed_at = time.time()
@@ -61,24 +90,34 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
     )
     pause = job.root / "pause.group0"
     pause.touch()
-    restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
-    job.wait_for("group 1 to ask for its join sync", lambda: job.events("joining", pid=restarted))
+    restarted = job.wait_for(
+        "torchrun to restart group 1",
+        lambda: (
+            all(job.worker_pid(1, r, attempt + 1) for r in range(nproc))
+            and [job.worker_pid(1, r, attempt + 1) for r in range(nproc)]
+        ),
+    )
+    job.wait_for("group 1 to ask for its join sync", lambda: all(job.events("joining", pid=pid) for pid in restarted))
     pause.unlink()
 
+
+def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) -> None:
+    """The restarted group healed in a join sync with its peer; every replica ends at ``max_steps`` inner steps and
+    ``syncs`` committed syncs, with bit-identical parameters and LR schedules. Each group keeps its own inner
+    optimizer state (only parameters, or pseudo-gradients, are averaged)."""
     assert job.wait_exit() == 0, job.tail()
+    restarted = job.worker_pid(1, 0)
     heals = job.events("healed", group=1, pid=restarted)
     assert heals and heals[0]["step"] > 0, f"the restarted group never healed from a live peer\n{job.tail()}"
     joins = [e for e in job.events("step", pid=restarted) if e.get("sync") == "join"]
     assert joins and joins[0]["committed"] and joins[0]["participants"] == 2, joins
 
     states = job.final_states()
-    assert sorted(states) == [(0, 0), (1, 0)], sorted(states)
-    # The job's join sync, one per sync period (sync_every / fragments), and the final sync's other fragments.
-    expected_syncs = 1 + max_steps // (sync_every // fragments) + (fragments - 1)
+    assert sorted(states) == [(g, r) for g in range(2) for r in range(nproc)], sorted(states)
     for key, state in states.items():
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
-        assert state["manager_step"] == expected_syncs, f"{key}: manager step {state['manager_step']}"
-    # Parameters and the LR schedule are identical; each group keeps its own inner optimizer state (only parameters,
-    # or pseudo-gradients, are averaged).
-    for name in ("model", "lr_schedulers", "lrs"):
-        assert_tree_equal(states[(0, 0)][name], states[(1, 0)][name], name)
+        assert state["manager_step"] == syncs, f"{key}: manager step {state['manager_step']} != {syncs}"
+    first = states[(0, 0)]
+    for key, state in states.items():
+        for name in ("model", "lr_schedulers", "lrs"):
+            assert_tree_equal(first[name], state[name], f"{key} {name}")
