@@ -121,3 +121,38 @@ def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) 
     for key, state in states.items():
         for name in ("model", "lr_schedulers", "lrs"):
             assert_tree_equal(first[name], state[name], f"{key} {name}")
+
+
+def test_local_sgd_metrics_cross_groups_only_in_validation(launch):
+    """Validation reduces over every replica (a sync section, as in per-step training); a sync_dist log in an inner
+    step stays inside the group, before and after a validation."""
+    max_steps, sync_every = 40, 4  # validations at 10 and 30 fall between two syncs
+    job = launch(
+        groups=2,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--async-quorum=0",
+            "--algorithm=local_sgd",
+            f"--sync-every={sync_every}",
+            "--val-every=10",
+            "--sync-train-log",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+
+    def metrics(stage: str, group: int) -> list[tuple[int, dict]]:
+        return [(e["step"], e["values"]) for e in job.events("metrics", stage=stage, fn="fit", group=group)]
+
+    assert [step for step, _ in metrics("val", 0)] == [10, 20, 30, 40]
+    assert metrics("val", 0) == metrics("val", 1)  # job-wide
+    train = [metrics("train", group) for group in range(2)]
+    assert [step for step, _ in train[0]] == [step for step, _ in train[1]] == list(range(1, max_steps + 1))
+    differ = [step for (step, a), (_, b) in zip(*train, strict=True) if a != b]
+    assert len(differ) == max_steps, (
+        f"inner-step logs crossed groups at steps {sorted(set(range(1, 41)) - set(differ))}"
+    )
+    states = job.final_states()
+    assert_tree_equal(states[(0, 0)]["model"], states[(1, 0)]["model"], "model")
+    assert states[(0, 0)]["manager_step"] == 1 + max_steps // sync_every

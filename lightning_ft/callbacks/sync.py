@@ -116,6 +116,10 @@ class SyncCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # A sync section (validation, an epoch end) ends with the batch that follows it, as the next step's quorum
+        # ends it in per-step training: inner steps in between must not cross groups, or some of their
+        # self.log(sync_dist=True) values would be job-wide and others group-local.
+        ft_collectives(trainer).close_section()
         if not self._joined:
             events.emit("joining", step=ft_manager(trainer).current_step())
             self._joined = True
