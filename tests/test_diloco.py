@@ -135,3 +135,48 @@ def test_one_group_matches_a_hand_written_diloco(tmp_path, fragments, names):
     assert steps_seen == [1 + steps // (sync_every // k) + (k - 1)]  # join, periodic syncs, rest of the final sync
     for (name, got), (_, want) in zip(model.named_parameters(), expected.named_parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} differs from the reference")
+
+
+def fit_diloco(tmp_path, model: Net, max_steps: int, ckpt_path=None, callbacks=()) -> pl.Trainer:
+    trainer = pl.Trainer(
+        strategy=FTStrategy(algorithm="diloco", sync_every=4, fragments=2, timeout=20, quorum_timeout=20),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, DataLoader(data(), batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_resume_restores_global_parameters_and_outer_optimizer(tmp_path):
+    """A checkpoint taken at a sync step (before that sync) holds DiLoCo's global parameters and outer optimizer
+    state: resuming from it ends bit-identical to a run that was never interrupted."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    straight = Net()
+    fit_diloco(tmp_path / "straight", straight, max_steps=12)
+
+    first = Net()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    fit_diloco(tmp_path / "first", first, max_steps=6, callbacks=[checkpoint])
+    saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)
+    assert len(saved["lightning_ft_diloco"]["outer_optimizers"]) == 2
+
+    resumed = Net()
+    fit_diloco(
+        tmp_path / "resumed",
+        resumed,
+        max_steps=12,
+        ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt",
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2")],
+    )
+    for (name, got), (_, want) in zip(resumed.named_parameters(), straight.named_parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} differs after resume")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torchft import Manager
@@ -69,6 +71,30 @@ class DiLoCoSync:
         finally:
             for fragment, alpha in zip(fragments, alphas, strict=True):
                 fragment._fragment_update_alpha = alpha
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond the model: each fragment's global parameters and outer optimizer state
+        (healing carries the same through torchft's own ``StreamingDiLoCoFragment_<i>`` entries)."""
+        return {
+            "fragments": self.fragment_names,
+            "global_parameters": [
+                {name: t.detach().clone() for name, t in f.original_parameters.items()} for f in self._diloco._fragments
+            ],
+            "outer_optimizers": [optimizer.state_dict() for optimizer in self.outer_optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["fragments"] != self.fragment_names:
+            raise RuntimeError(
+                "lightning-ft: the checkpoint's DiLoCo fragments differ from this run's (fragments setting or model "
+                "changed); its global parameters and outer optimizer state cannot be restored."
+            )
+        with torch.no_grad():
+            for fragment, saved in zip(self._diloco._fragments, state["global_parameters"], strict=True):
+                for name, tensor in fragment.original_parameters.items():
+                    tensor.copy_(saved[name])
+        for optimizer, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
 
     def current_fragment(self) -> int:
         """Which fragment the next sync is for: torchft's rule, from the Manager step that every group shares."""

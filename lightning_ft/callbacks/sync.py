@@ -24,6 +24,7 @@ from lightning_ft.state import align_logger_step, align_step_counters, broadcast
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 SYNC_STATE_KEY = "semi_sync"
+DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
 
 
 def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
@@ -51,6 +52,7 @@ class SyncCallback(Callback):
         self._joined = False
         self._last_sync_step: int | None = None
         self._diloco: DiLoCoSync | None = None
+        self._restored_diloco: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -85,6 +87,26 @@ class SyncCallback(Callback):
                 f"{len(trainer.optimizers)}. Return a single optimizer."
             )
         self._diloco = DiLoCoSync(ft_manager(trainer), pl_module, trainer.optimizers[0], _algorithm(trainer))
+        restored, self._restored_diloco = self._restored_diloco, None
+        if restored is not None:
+            self._diloco.load_state_dict(restored)
+
+    # DiLoCo's global parameters and outer optimizer state go into checkpoints through the checkpoint hooks, not
+    # state_dict(): callback state is also part of every heal payload, which carries them already (torchft's own
+    # fragment entries).
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._diloco is not None:
+            checkpoint[DILOCO_CHECKPOINT_KEY] = self._diloco.state_dict()
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Runs before ``on_train_start`` builds the fragments: keep the state until then."""
+        self._restored_diloco = checkpoint.get(DILOCO_CHECKPOINT_KEY)
 
     def _sync(self, trainer: pl.Trainer, reason: str) -> None:
         protocol = ft_step_protocol(trainer)
