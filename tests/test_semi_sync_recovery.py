@@ -42,7 +42,8 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
     assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
 
 
-def test_local_sgd_sigkill_rank_of_two_process_group_with_accumulation(launch):
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_semi_sync_sigkill_rank_of_two_process_group_with_accumulation(launch, algorithm):
     """2 groups x 2 processes: inner steps use DDP inside the group (with accumulation and clipping on the inner
     optimizer); killing one rank restarts its whole group, which rejoins at the next sync."""
     max_steps, sync_every = 32, 4
@@ -54,7 +55,7 @@ def test_local_sgd_sigkill_rank_of_two_process_group_with_accumulation(launch):
             "--accumulate=2",
             "--clip=0.5",
             "--async-quorum=0",
-            "--algorithm=local_sgd",
+            f"--algorithm={algorithm}",
             f"--sync-every={sync_every}",
             *GATES,
         ],

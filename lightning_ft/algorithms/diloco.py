@@ -104,8 +104,12 @@ class DiLoCoSync:
         """The job's first sync: every group is here at Manager step 0, and the quorum's ``init_sync`` made their
         parameters identical. Nothing to average; the backups are reset to the (now common) parameters."""
         committed = protocol.commit()
-        self._diloco._save_parameters()
+        self.reset_global_parameters()
         return committed
+
+    def reset_global_parameters(self) -> None:
+        """Take the current parameters as the global ones (after the ranks of a group were re-aligned, too)."""
+        self._diloco._save_parameters()
 
     def sync(self, protocol: StepProtocol) -> bool:
         """One fragment's sync on the open quorum. A sync that does not commit leaves that fragment at its global

@@ -132,7 +132,10 @@ class SyncCallback(Callback):
                 sync=reason,
             )
         if committed and manager.current_step() == 1 and trainer.world_size > 1:
+            # init_sync healed each group rank from a possibly different group (see broadcast_state_in_group).
             broadcast_state_in_group(trainer)
+            if self._diloco is not None:
+                self._diloco.reset_global_parameters()  # the backups were taken before the ranks were re-aligned
 
     @override
     def on_train_batch_start(
