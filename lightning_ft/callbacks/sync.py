@@ -6,7 +6,6 @@ Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStra
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,8 +19,6 @@ from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.settings import FTConfigError
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
-
-log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 SYNC_STATE_KEY = "semi_sync"
 DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
@@ -62,6 +59,7 @@ class SyncCallback(Callback):
         self._joined = False
         self._last_sync_step = None
         self._diloco = None
+        self._restored_diloco = None  # Lightning restores a checkpoint after setup (see on_load_checkpoint)
 
         def save() -> dict[str, int]:
             return {
