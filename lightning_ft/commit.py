@@ -85,6 +85,12 @@ class StepProtocol:
         self.last_step_committed = self._decision
         return self._decision
 
+    def record_commit(self, decision: bool) -> None:
+        """Record a vote that torchft took itself (a DiLoCo fragment's ``perform_sync`` calls ``should_commit``)."""
+        self.require_quorum()
+        self._decision = decision
+        self.last_step_committed = decision
+
     def close(self) -> None:
         """End the step whose decision was taken; the next batch opens a new quorum."""
         if self._decision is None:

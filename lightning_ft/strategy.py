@@ -64,6 +64,7 @@ from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft import events
+from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
 from lightning_ft.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
@@ -92,7 +93,8 @@ class FTStrategy(DDPStrategy):
             neither and a single group, one is started in this process.
         min_replica_size: A step commits only if at least this many groups took part in it.
         use_async_quorum: Compute the quorum during the forward pass (faster). A group that is behind then sits out
-            one step and heals inside the commit vote. With ``False`` it heals before its forward pass.
+            one step and heals inside the commit vote. With ``False`` it heals before its forward pass. Default:
+            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``).
         timeout: Seconds for cross-group collectives, the commit vote and state transfer.
         quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
@@ -104,6 +106,18 @@ class FTStrategy(DDPStrategy):
             process group).
         hostname: Address this group advertises to other groups for healing and its store. Default: the hostname.
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
+        algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
+            ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
+            inner steps). See ``docs/semi-sync.md`` (``fragment_sync_delay`` > 0 is validated but cannot fit yet).
+        sync_every: Inner optimizer steps between two syncs; required by ``local_sgd`` and ``diloco`` only.
+        outer_optimizer: DiLoCo only: ``{"class_path": ..., "init_args": {...}}`` or a callable
+            ``params -> Optimizer``. Default: Nesterov SGD, lr 0.7, momentum 0.9.
+        fragments: DiLoCo only: a number ``k`` (automatic split into ``k`` fragments) or lists of module names, one
+            list per fragment, for streaming DiLoCo. Default: 1 (the whole model syncs at once).
+        fragment_sync_delay: DiLoCo only: inner steps a fragment's allreduce may overlap (below
+            ``sync_every / fragments``). Default 0.
+        fragment_update_alpha: DiLoCo only: in [0, 1]; 0 takes the new global parameters, 1 keeps the local ones.
+        quantize: DiLoCo only: quantise pseudo-gradients for the allreduce. Needs CUDA and Triton.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` and on to torch's
             ``DistributedDataParallel`` (``find_unused_parameters`` is always ``True``, see ``_setup_model``).
     """
@@ -116,7 +130,7 @@ class FTStrategy(DDPStrategy):
         num_replica_groups: int | None = None,
         lighthouse: str | None = None,
         min_replica_size: int = 1,
-        use_async_quorum: bool = True,
+        use_async_quorum: bool | None = None,
         timeout: float = 60.0,
         quorum_timeout: float = 60.0,
         connect_timeout: float = 60.0,
@@ -126,6 +140,13 @@ class FTStrategy(DDPStrategy):
         checkpoint_transport: str = "http",
         hostname: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
+        algorithm: str = "ddp",
+        sync_every: int | None = None,
+        outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
+        fragments: int | list[list[str]] | None = None,
+        fragment_sync_delay: int | None = None,
+        fragment_update_alpha: float | None = None,
+        quantize: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -156,12 +177,22 @@ class FTStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             **kwargs,
         )
+        self.algorithm: AlgorithmSettings = resolve_algorithm(
+            algorithm=algorithm,
+            use_async_quorum=use_async_quorum,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            fragments=fragments,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            quantize=quantize,
+        )
         self.settings: FTSettings = resolve_settings(
             replica_group_id=replica_group_id,
             num_replica_groups=num_replica_groups,
             lighthouse=lighthouse,
             min_replica_size=min_replica_size,
-            use_async_quorum=use_async_quorum,
+            use_async_quorum=self.algorithm.use_async_quorum,
             timeout=timeout,
             quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout,
@@ -262,8 +293,14 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         trainer = self.lightning_module.trainer
+        if self.algorithm.fragment_sync_delay and trainer.state.fn == TrainerFn.FITTING:
+            # Refused before any process group or Manager exists, rather than silently syncing without the delay.
+            raise NotImplementedError(
+                f"FTStrategy(fragment_sync_delay={self.algorithm.fragment_sync_delay}) is validated but cannot fit "
+                f"yet (see docs/semi-sync.md). Use fragment_sync_delay=0."
+            )
+        super().setup_environment()
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
         events.configure(self.settings.replica_group_id, self.global_rank)
@@ -290,18 +327,25 @@ class FTStrategy(DDPStrategy):
             ManagerCheckpointCallback,
             QuorumCallback,
             StateTransferCallback,
+            SyncCallback,
         )
 
-        # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum.
-        defaults = [DataPositionCallback, QuorumCallback, StateTransferCallback, ManagerCheckpointCallback]
+        # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum
+        # (SyncCallback, a sync's quorum).
+        opens_quorums = SyncCallback if self.algorithm.semi_sync else QuorumCallback
+        defaults = [DataPositionCallback, opens_quorums, StateTransferCallback, ManagerCheckpointCallback]
         missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
         trainer.callbacks[0:0] = missing
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.algorithm.semi_sync:
+            # Semi-synchronous: LR schedulers follow inner steps, which always happen.
             self._gate_step_lr_schedulers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.algorithm.semi_sync:
+            self._warn_unsynced_tail(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
             self._name_checkpoints_alike_in_every_group(trainer)
         if self._collectives is not None:
             self._keep_dataloader_checks_group_local(trainer)
@@ -324,6 +368,19 @@ class FTStrategy(DDPStrategy):
                     "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
                     "must give a checkpoint the same name."
                 )
+
+    def _warn_unsynced_tail(self, trainer: pl.Trainer) -> None:
+        """The final sync happens only at a sync step: with ``max_steps`` not a multiple of ``sync_every``, the last
+        inner steps stay local and the replicas end different."""
+        period = self.algorithm.sync_period
+        if trainer.max_steps > 0 and trainer.max_steps % period:
+            log.warning(
+                "lightning-ft: max_steps=%d is not a multiple of the sync period %d (sync_every / fragments); the "
+                "last %d inner steps are not synchronised, so replica groups end with different parameters.",
+                trainer.max_steps,
+                period,
+                trainer.max_steps % period,
+            )
 
     def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:
         """Shadow a bound method with an instance attribute, undone at teardown (a trainer may fit again)."""
@@ -359,6 +416,8 @@ class FTStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
+        if self.algorithm.semi_sync:
+            return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
         state = FTCommState(
             manager=self.manager,
             group=None,
@@ -436,6 +495,8 @@ class FTStrategy(DDPStrategy):
         because every rank of the group must take part in it exactly once per step. Gradients were averaged across
         groups before unscaling, so every replica skips alike.
         """
+        if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         protocol = self.step_protocol
         gated = CommitGatedOptimizer(optimizer, protocol)
         output = self.precision_plugin.optimizer_step(

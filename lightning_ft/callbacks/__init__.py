@@ -1,6 +1,8 @@
 """The fault-tolerance callbacks. FTStrategy adds each one that the user has not supplied; each can be replaced.
 
 * :class:`QuorumCallback` opens each optimizer step's quorum and keeps Lightning's step counters on committed steps.
+* :class:`SyncCallback` takes its place with ``algorithm="local_sgd"``: a cross-group sync every ``sync_every``
+  inner steps.
 * :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
 * :class:`ManagerCheckpointCallback` stores the Manager's committed-step state in Lightning checkpoints.
 * :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
@@ -10,6 +12,13 @@
 from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
 from lightning_ft.callbacks.data_position import DataPositionCallback
 from lightning_ft.callbacks.quorum import QuorumCallback
+from lightning_ft.callbacks.sync import SyncCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
 
-__all__ = ["DataPositionCallback", "ManagerCheckpointCallback", "QuorumCallback", "StateTransferCallback"]
+__all__ = [
+    "DataPositionCallback",
+    "ManagerCheckpointCallback",
+    "QuorumCallback",
+    "StateTransferCallback",
+    "SyncCallback",
+]

@@ -32,6 +32,10 @@ class StateTransferCallback(Callback):
         if stage != "fit":
             return
         manager = ft_manager(trainer)  # a new Manager for every fit, so registering once per fit is exactly right
+        # Semi-synchronous training: the Manager step counts syncs, not optimizer steps; SyncCallback heals the
+        # step counters from its own part of the payload.
+        algorithm = getattr(trainer.strategy, "algorithm", None)
+        steps_follow_manager = not getattr(algorithm, "semi_sync", False)
 
         def save() -> dict[str, Any]:
             return capture_training_state(trainer)
@@ -39,7 +43,8 @@ class StateTransferCallback(Callback):
         def load(state: dict[str, Any]) -> None:
             apply_training_state(trainer, state)
             step = manager.current_step()
-            align_step_counters(trainer, step)
+            if steps_follow_manager:
+                align_step_counters(trainer, step)
             log.info("lightning-ft: healed from a live peer at committed step %d", step)
             events.emit("healed", step=step)
 

@@ -247,6 +247,9 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--index-data", type=int, default=None, help="train on N samples that carry their index")
     parser.add_argument("--stateful-loader", action="store_true", help="torchdata's StatefulDataLoader")
+    parser.add_argument("--algorithm", default="ddp", help="FTStrategy(algorithm=...): ddp, local_sgd, diloco")
+    parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
+    parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -265,8 +268,13 @@ def main() -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
         )
+    # Only passed when set, so that the per-step (ddp) tests build the strategy exactly as before.
+    algorithm = {} if args.algorithm == "ddp" else {"algorithm": args.algorithm, "sync_every": args.sync_every}
+    if args.fragments is not None:
+        algorithm["fragments"] = args.fragments
     trainer = pl.Trainer(
         strategy=FTStrategy(
+            **algorithm,
             use_async_quorum=bool(args.async_quorum),
             checkpoint_transport=args.transport,
             timeout=30,

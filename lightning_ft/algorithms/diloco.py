@@ -1,0 +1,121 @@
+"""DiLoCo's sync, built from torchft's streaming DiLoCo fragments.
+
+torchft's ``DiLoCo`` object is created (it allocates each fragment's backup of the global parameters, creates the
+fragments and registers each fragment's backup and outer optimizer state with the Manager for healing), but its
+context manager is never entered: its optimizer hooks would trigger syncs from an inner-step counter that is not
+part of any state dict, so a restarted group would sync at other steps than its peers. Here a sync is triggered by
+:class:`~lightning_ft.callbacks.SyncCallback` from ``trainer.global_step``, and runs one fragment's
+``prepare_sync()`` (pseudo-gradient allreduce) and ``perform_sync()`` (restore the global parameters, outer step,
+mix with the local ones by ``fragment_update_alpha``, commit vote). The fragment is chosen as torchft does, from the
+Manager step (which heals), so every group syncs the same fragment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torchft import Manager
+from torchft.local_sgd import DiLoCo
+
+from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.algorithms.fragments import fragment_modules, resolve_fragments
+from lightning_ft.commit import StepProtocol
+
+
+class DiLoCoSync:
+    """One fit's DiLoCo state: the fragments, their backup (global) parameters and outer optimizers."""
+
+    def __init__(
+        self, manager: Manager, module: nn.Module, inner_optimizer: Optimizer, settings: AlgorithmSettings
+    ) -> None:
+        assert settings.algorithm == "diloco" and settings.outer_optimizer is not None and settings.sync_every
+        self.fragment_names = resolve_fragments(module, settings.fragments)
+        holders = fragment_modules(module, self.fragment_names)
+        outer = [settings.outer_optimizer(holder.parameters()) for holder in holders]
+        self._manager = manager
+        self._diloco = DiLoCo(
+            manager,
+            holders,
+            inner_optimizer,
+            outer,
+            sync_every=settings.sync_every,
+            backup_device=None,
+            pin_memory=False,
+            should_quantize=settings.quantize,
+            fragment_sync_delay=settings.fragment_sync_delay,
+            fragment_update_alpha=settings.fragment_update_alpha,
+        )
+
+    @property
+    def outer_optimizers(self) -> list[Optimizer]:
+        return [fragment._outer_optimizer for fragment in self._diloco._fragments]
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self._diloco._fragments)
+
+    @contextlib.contextmanager
+    def without_update_alpha(self) -> Iterator[None]:
+        """Syncs that take the global parameters as they are (the final sync: replicas must end identical)."""
+        fragments = self._diloco._fragments
+        alphas = [fragment._fragment_update_alpha for fragment in fragments]
+        for fragment in fragments:
+            fragment._fragment_update_alpha = 0.0
+        try:
+            yield
+        finally:
+            for fragment, alpha in zip(fragments, alphas, strict=True):
+                fragment._fragment_update_alpha = alpha
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond the model: each fragment's global parameters and outer optimizer state
+        (healing carries the same through torchft's own ``StreamingDiLoCoFragment_<i>`` entries)."""
+        return {
+            "fragments": self.fragment_names,
+            "global_parameters": [
+                {name: t.detach().clone() for name, t in f.original_parameters.items()} for f in self._diloco._fragments
+            ],
+            "outer_optimizers": [optimizer.state_dict() for optimizer in self.outer_optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["fragments"] != self.fragment_names:
+            raise RuntimeError(
+                "lightning-ft: the checkpoint's DiLoCo fragments differ from this run's (fragments setting or model "
+                "changed); its global parameters and outer optimizer state cannot be restored."
+            )
+        with torch.no_grad():
+            for fragment, saved in zip(self._diloco._fragments, state["global_parameters"], strict=True):
+                for name, tensor in fragment.original_parameters.items():
+                    tensor.copy_(saved[name])
+        for optimizer, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+
+    def current_fragment(self) -> int:
+        """Which fragment the next sync is for: torchft's rule, from the Manager step that every group shares."""
+        return self._manager.current_step() % len(self._diloco._fragments)
+
+    def join_at_start(self, protocol: StepProtocol) -> bool:
+        """The job's first sync: every group is here at Manager step 0, and the quorum's ``init_sync`` made their
+        parameters identical. Nothing to average; the backups are reset to the (now common) parameters."""
+        committed = protocol.commit()
+        self.reset_global_parameters()
+        return committed
+
+    def reset_global_parameters(self) -> None:
+        """Take the current parameters as the global ones (after the ranks of a group were re-aligned, too)."""
+        self._diloco._save_parameters()
+
+    def sync(self, protocol: StepProtocol) -> bool:
+        """One fragment's sync on the open quorum. A sync that does not commit leaves that fragment at its global
+        parameters (torchft restores them before the vote)."""
+        fragment = self._diloco._fragments[self.current_fragment()]
+        fragment.prepare_sync()
+        committed = fragment.perform_sync()
+        protocol.record_commit(committed)
+        return committed

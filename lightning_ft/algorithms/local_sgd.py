@@ -1,0 +1,56 @@
+"""LocalSGD's sync: average the parameters of every participating replica group, keep them only if the sync commits.
+
+This is torchft's ``LocalSGD.sync()`` (``torchft/local_sgd.py``) with one difference: the quorum and the commit vote
+go through lightning-ft's :class:`~lightning_ft.commit.StepProtocol` instead of calling the Manager directly, so that
+the rest of lightning-ft (cross-group collectives, the data position, the checkpoint writer) knows a sync is in
+progress and how it ended. torchft's class cannot be reused as is: it triggers itself from an optimizer post-hook
+with an inner-step counter that is not part of any state dict, so a restarted group would sync at other steps than
+its peers (see ``docs/semi-sync.md``). Its tensor helper is reused, so DTensor parameters work the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torchft import Manager
+from torchft.local_sgd import extract_local_tensor
+
+from lightning_ft.commit import StepProtocol
+
+
+def average_parameters(manager: Manager, params: list[Tensor]) -> list[Tensor]:
+    """Copies of ``params`` averaged over the participating groups. All allreduces are issued before any wait, in
+    parameter order, which every group shares."""
+    averaged = [extract_local_tensor(p.data) for p in params]
+    works = [manager.allreduce(t) for t in averaged]
+    for work in works:
+        work.wait()
+    return averaged
+
+
+@torch.no_grad()
+def _copy_into(params: Iterable[Tensor], values: Iterable[Tensor]) -> None:
+    for param, value in zip(params, values, strict=True):
+        if isinstance(param, DTensor):
+            param.data.copy_(
+                DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+            )
+        else:
+            param.data.copy_(value)
+
+
+def local_sgd_sync(protocol: StepProtocol, params: list[Tensor]) -> bool:
+    """One sync on the open quorum (a group that is behind healed while it opened, with synchronous quorum):
+    average, vote, apply.
+
+    A sync that does not commit leaves every group with its own local parameters, as torchft's LocalSGD does; the
+    inner steps are not rolled back. Returns whether it committed.
+    """
+    averaged = average_parameters(protocol.manager, params)
+    committed = protocol.commit()
+    if committed:
+        _copy_into(params, averaged)
+    return committed

@@ -1,0 +1,176 @@
+"""Semi-synchronous training: inner steps inside the group, a cross-group sync every ``sync_every`` inner steps.
+
+Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStrategy(algorithm="local_sgd")`` or
+``"diloco"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.algorithms.diloco import DiLoCoSync
+from lightning_ft.algorithms.local_sgd import local_sgd_sync
+from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
+from lightning_ft.settings import FTConfigError
+from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
+
+SYNC_STATE_KEY = "semi_sync"
+DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
+
+
+def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
+    algorithm = getattr(trainer.strategy, "algorithm", None)
+    if not isinstance(algorithm, AlgorithmSettings) or not algorithm.semi_sync:
+        raise RuntimeError("SyncCallback needs FTStrategy(algorithm='local_sgd') or 'diloco'.")
+    return algorithm
+
+
+class SyncCallback(Callback):
+    """Syncs at the start of the batch that follows every ``sync_period``-th inner step (``sync_every``, or
+    ``sync_every / fragments`` for streaming DiLoCo, one fragment per sync), and once more at the end of training.
+
+    Why at a batch start, not right after the inner step: a group that restarts joins with a sync at the start of its
+    first batch (the lighthouse holds its quorum request until its peers open their next sync), so when every sync
+    sits at a batch start, the joining group and its peers make the same collectives at the same place of the loop:
+    the heal payload's loop position (taken by :class:`~lightning_ft.callbacks.DataPositionCallback` just before
+    the quorum) is exactly the batch the joining group is about to train, and the epoch rollover is Lightning's.
+
+    ``trainer.global_step`` counts inner steps and is Lightning's own; a healing group takes its peer's value from the
+    heal payload. The Manager step counts committed syncs (the join sync at the start of the job included).
+    """
+
+    def __init__(self) -> None:
+        self._joined = False
+        self._last_sync_step: int | None = None
+        self._diloco: DiLoCoSync | None = None
+        self._restored_diloco: dict[str, Any] | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _algorithm(trainer)
+        self._joined = False
+        self._last_sync_step = None
+        self._diloco = None
+        self._restored_diloco = None  # Lightning restores a checkpoint after setup (see on_load_checkpoint)
+
+        def save() -> dict[str, int]:
+            return {
+                "global_step": trainer.global_step,
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            }
+
+        def load(state: dict[str, int]) -> None:
+            align_step_counters(trainer, int(state["global_step"]))
+            align_logger_step(trainer, int(state["batches_that_stepped"]))
+
+        ft_manager(trainer).register_state_dict_fn(SYNC_STATE_KEY, load, save)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """DiLoCo's fragments are built here: after a checkpoint restore (their backups start from the restored
+        weights) and before the first batch's join sync (they register their heal state with the Manager)."""
+        if _algorithm(trainer).algorithm != "diloco":
+            return
+        if len(trainer.optimizers) != 1:
+            raise FTConfigError(
+                f"algorithm='diloco' needs exactly one (inner) optimizer, but configure_optimizers() returned "
+                f"{len(trainer.optimizers)}. Return a single optimizer."
+            )
+        self._diloco = DiLoCoSync(ft_manager(trainer), pl_module, trainer.optimizers[0], _algorithm(trainer))
+        restored, self._restored_diloco = self._restored_diloco, None
+        if restored is not None:
+            self._diloco.load_state_dict(restored)
+
+    # DiLoCo's global parameters and outer optimizer state go into checkpoints through the checkpoint hooks, not
+    # state_dict(): callback state is also part of every heal payload, which carries them already (torchft's own
+    # fragment entries).
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._diloco is not None:
+            checkpoint[DILOCO_CHECKPOINT_KEY] = self._diloco.state_dict()
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Runs before ``on_train_start`` builds the fragments: keep the state until then."""
+        self._restored_diloco = checkpoint.get(DILOCO_CHECKPOINT_KEY)
+
+    def _sync(self, trainer: pl.Trainer, reason: str) -> None:
+        protocol = ft_step_protocol(trainer)
+        manager = protocol.manager
+        protocol.open_quorum()
+        try:
+            if self._diloco is None:
+                committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
+            elif reason == "join" and manager.current_step() == 0:
+                committed = self._diloco.join_at_start(protocol)
+            else:
+                committed = self._diloco.sync(protocol)
+        finally:
+            protocol.close()
+        self._last_sync_step = trainer.global_step
+        if events.enabled():
+            events.emit(
+                "step",
+                step=manager.current_step(),
+                global_step=trainer.global_step,
+                committed=committed,
+                participants=manager.num_participants(),
+                sync=reason,
+            )
+        if committed and manager.current_step() == 1 and trainer.world_size > 1:
+            # init_sync healed each group rank from a possibly different group (see broadcast_state_in_group).
+            broadcast_state_in_group(trainer)
+            if self._diloco is not None:
+                self._diloco.reset_global_parameters()  # the backups were taken before the ranks were re-aligned
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # A sync section (validation, an epoch end) ends with the batch that follows it, as the next step's quorum
+        # ends it in per-step training: inner steps in between must not cross groups, or some of their
+        # self.log(sync_dist=True) values would be job-wide and others group-local.
+        ft_collectives(trainer).close_section()
+        if not self._joined:
+            events.emit("joining", step=ft_manager(trainer).current_step())
+            self._joined = True
+            self._sync(trainer, "join")
+            return
+        step = trainer.global_step
+        if step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step:
+            self._sync(trainer, "periodic")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """As with per-step training, every group ends an epoch at the same ``global_step``."""
+        ft_collectives(trainer).open_section()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final sync: every group ends training at the same ``global_step`` and leaves with the same parameters.
+
+        Only when that step is a sync step; otherwise the last inner steps stay local (FTStrategy warns at setup).
+        Streaming DiLoCo syncs every fragment in turn, taking the global parameters (``fragment_update_alpha`` is
+        not applied), so that no fragment is left with local values.
+        """
+        step = trainer.global_step
+        if not self._joined or step % _algorithm(trainer).sync_period or step == self._last_sync_step:
+            return
+        if self._diloco is None:
+            self._sync(trainer, "final")
+            return
+        with self._diloco.without_update_alpha():
+            for _ in range(self._diloco.num_fragments):
+                self._sync(trainer, "final")

@@ -1,0 +1,159 @@
+"""LocalSGD and DiLoCo with real processes: a SIGKILLed group is restarted by torchrun, heals at the next sync
+(with DiLoCo: the backup parameters and outer optimizer state too), and every replica ends with bit-identical
+parameters after the final sync."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from harness import LaunchedJob, assert_tree_equal
+from test_fault_tolerance import GATES, start_together
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "fragments"),
+    [
+        pytest.param("local_sgd", 1, id="local_sgd"),
+        pytest.param("diloco", 1, id="diloco"),
+        pytest.param("diloco", 2, id="streaming-diloco-2-fragments"),
+    ],
+)
+def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
+    """2 groups x 1 process, a sync every 4 inner steps (one fragment every 2 with 2 fragments)."""
+    max_steps, sync_every = 48, 4
+    job = launch(
+        groups=2,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--async-quorum=0",
+            f"--algorithm={algorithm}",
+            f"--sync-every={sync_every}",
+            *([f"--fragments={fragments}"] if algorithm == "diloco" else []),
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=1)
+    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0)
+    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
+
+
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_semi_sync_sigkill_rank_of_two_process_group_with_accumulation(launch, algorithm):
+    """2 groups x 2 processes: inner steps use DDP inside the group (with accumulation and clipping on the inner
+    optimizer); killing one rank restarts its whole group, which rejoins at the next sync."""
+    max_steps, sync_every = 32, 4
+    job = launch(
+        groups=2,
+        nproc_per_group=2,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--accumulate=2",
+            "--clip=0.5",
+            "--async-quorum=0",
+            f"--algorithm={algorithm}",
+            f"--sync-every={sync_every}",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=2)
+    kill_between_syncs_and_restart(job, nproc=2, victim_rank=1)
+    assert_outcome(job, nproc=2, max_steps=max_steps, syncs=1 + max_steps // sync_every)
+
+
+def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank: int) -> None:
+    """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
+    is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) until every restarted rank of group 1 is
+    about to ask for its join sync, which the lighthouse then holds until group 0's next sync."""
+    attempt = job.attempt(1, victim_rank)
+    victim = job.worker_pid(1, victim_rank, attempt)
+    job.wait_for(
+        "group 1 to commit 3 syncs with its peer",
+        lambda: (
+            len([e for e in job.events("step", group=1, pid=victim, committed=True) if e["participants"] == 2]) >= 3
+        ),
+    )
+    gate = job.root / f"pause.group1.rank{victim_rank}"
+    gate.touch()
+    job.wait_for("group 1 to stop between two syncs", lambda: job.events("paused", pid=victim))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    gate.unlink()
+    job.wait_for(
+        "group 0 to sync on its own",
+        lambda: [
+            e for e in job.events("step", group=0, committed=True) if e["time"] > killed_at and e["participants"] == 1
+        ],
+    )
+    pause = job.root / "pause.group0"
+    pause.touch()
+    restarted = job.wait_for(
+        "torchrun to restart group 1",
+        lambda: (
+            all(job.worker_pid(1, r, attempt + 1) for r in range(nproc))
+            and [job.worker_pid(1, r, attempt + 1) for r in range(nproc)]
+        ),
+    )
+    job.wait_for("group 1 to ask for its join sync", lambda: all(job.events("joining", pid=pid) for pid in restarted))
+    pause.unlink()
+
+
+def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) -> None:
+    """The restarted group healed in a join sync with its peer; every replica ends at ``max_steps`` inner steps and
+    ``syncs`` committed syncs, with bit-identical parameters and LR schedules. Each group keeps its own inner
+    optimizer state (only parameters, or pseudo-gradients, are averaged)."""
+    assert job.wait_exit() == 0, job.tail()
+    restarted = job.worker_pid(1, 0)
+    heals = job.events("healed", group=1, pid=restarted)
+    assert heals and heals[0]["step"] > 0, f"the restarted group never healed from a live peer\n{job.tail()}"
+    joins = [e for e in job.events("step", pid=restarted) if e.get("sync") == "join"]
+    assert joins and joins[0]["committed"] and joins[0]["participants"] == 2, joins
+
+    states = job.final_states()
+    assert sorted(states) == [(g, r) for g in range(2) for r in range(nproc)], sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
+        assert state["manager_step"] == syncs, f"{key}: manager step {state['manager_step']} != {syncs}"
+    first = states[(0, 0)]
+    for key, state in states.items():
+        for name in ("model", "lr_schedulers", "lrs"):
+            assert_tree_equal(first[name], state[name], f"{key} {name}")
+
+
+def test_local_sgd_metrics_cross_groups_only_in_validation(launch):
+    """Validation reduces over every replica (a sync section, as in per-step training); a sync_dist log in an inner
+    step stays inside the group, before and after a validation."""
+    max_steps, sync_every = 40, 4  # validations at 10 and 30 fall between two syncs
+    job = launch(
+        groups=2,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--async-quorum=0",
+            "--algorithm=local_sgd",
+            f"--sync-every={sync_every}",
+            "--val-every=10",
+            "--sync-train-log",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+
+    def metrics(stage: str, group: int) -> list[tuple[int, dict]]:
+        return [(e["step"], e["values"]) for e in job.events("metrics", stage=stage, fn="fit", group=group)]
+
+    assert [step for step, _ in metrics("val", 0)] == [10, 20, 30, 40]
+    assert metrics("val", 0) == metrics("val", 1)  # job-wide
+    train = [metrics("train", group) for group in range(2)]
+    assert [step for step, _ in train[0]] == [step for step, _ in train[1]] == list(range(1, max_steps + 1))
+    differ = [step for (step, a), (_, b) in zip(*train, strict=True) if a != b]
+    assert len(differ) == max_steps, (
+        f"inner-step logs crossed groups at steps {sorted(set(range(1, 41)) - set(differ))}"
+    )
+    states = job.final_states()
+    assert_tree_equal(states[(0, 0)]["model"], states[(1, 0)]["model"], "model")
+    assert states[(0, 0)]["manager_step"] == 1 + max_steps // sync_every
