@@ -125,7 +125,7 @@ class CrossGroupCollectives:
     def crosses_groups(self) -> bool:
         if self._group_local_depth:
             return False
-        if self.protocol is not None and self.protocol.quorum_open:
+        if self.protocol is not None and self.protocol.in_step:
             return True
         return self._in_section
 
@@ -180,6 +180,8 @@ class CrossGroupCollectives:
         group), so ranks exchanging on their own could see different sets of groups; one view per group keeps every
         process of the job on the same answer. Returns ``None`` when the collective failed.
         """
+        # A section inside the inner steps that a streaming DiLoCo sync overlaps uses that sync's open quorum: every
+        # group is at the same inner step, and a new quorum would reconfigure the process group under the sync.
         in_step = self.protocol is not None and self.protocol.quorum_open
         value: Any = None
         for _ in range(1 if in_step else self.max_attempts):

@@ -36,11 +36,20 @@ class StepProtocol:
         self._decision: bool | None = None
         self.last_step_committed: bool | None = None
         self.quorums_opened = 0
+        self.sync_in_flight = False
 
     @property
     def quorum_open(self) -> bool:
         """Whether an optimizer step's quorum is open (from its first micro-batch until the deciding batch ends)."""
         return self._quorum_open
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the open quorum belongs to the work being done right now: an optimizer step between its quorum and
+        its vote, or a semi-synchronous sync. ``False`` in the inner steps that a streaming DiLoCo sync overlaps
+        (``sync_in_flight``): its quorum stays open while they train, but they are the group's own work, so their
+        collectives stay inside the group."""
+        return self._quorum_open and not self.sync_in_flight
 
     @property
     def decided(self) -> bool:
@@ -97,6 +106,7 @@ class StepProtocol:
             return
         self._quorum_open = False
         self._decision = None
+        self.sync_in_flight = False
 
 
 class CommitGatedOptimizer:

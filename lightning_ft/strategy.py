@@ -108,7 +108,7 @@ class FTStrategy(DDPStrategy):
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
             ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
-            inner steps). See ``docs/semi-sync.md`` (``fragment_sync_delay`` > 0 is validated but cannot fit yet).
+            inner steps). See ``docs/semi-sync.md``.
         sync_every: Inner optimizer steps between two syncs; required by ``local_sgd`` and ``diloco`` only.
         outer_optimizer: DiLoCo only: ``{"class_path": ..., "init_args": {...}}`` or a callable
             ``params -> Optimizer``. Default: Nesterov SGD, lr 0.7, momentum 0.9.
@@ -294,12 +294,6 @@ class FTStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer
-        if self.algorithm.fragment_sync_delay and trainer.state.fn == TrainerFn.FITTING:
-            # Refused before any process group or Manager exists, rather than silently syncing without the delay.
-            raise NotImplementedError(
-                f"FTStrategy(fragment_sync_delay={self.algorithm.fragment_sync_delay}) is validated but cannot fit "
-                f"yet (see docs/semi-sync.md). Use fragment_sync_delay=0."
-            )
         super().setup_environment()
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return

@@ -45,9 +45,20 @@ def data() -> TensorDataset:
     return TensorDataset(x, x.sum(dim=1, keepdim=True))
 
 
-def reference(model: Net, steps: int, sync_every: int, fragments: list[list[str]], outer_lr: float) -> Net:
-    """DiLoCo written out: inner SGD on every batch; every sync_every/k inner steps, fragment (sync count % k):
-    pseudo-gradient = global - local, parameters := global, one Nesterov outer step, global := the result."""
+def reference(
+    model: Net,
+    steps: int,
+    sync_every: int,
+    fragments: list[list[str]],
+    outer_lr: float,
+    delay: int = 0,
+    alpha: float = 0,
+) -> Net:
+    """Streaming DiLoCo written out: inner SGD on every batch; fragment (sync count % k) syncs every sync_every/k inner
+    steps. Its pseudo-gradient (global - local) is taken ``delay`` inner steps before the sync; at the sync, the
+    fragment's parameters are reset to the global ones, one Nesterov outer step applies the pseudo-gradient, the
+    result becomes the new global parameters, and the local parameters (``delay`` steps further on) are mixed back in
+    by ``alpha``. The final sync syncs every fragment with alpha 0."""
     model = copy.deepcopy(model)
     params = dict(model.named_parameters())
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
@@ -57,51 +68,71 @@ def reference(model: Net, steps: int, sync_every: int, fragments: list[list[str]
     global_params = {n: p.detach().clone() for n, p in params.items()}
     period = sync_every // len(fragments)
     syncs = 1  # the join sync at the start counts as the Manager's first step
+    pending: dict[str, torch.Tensor] | None = None
 
-    def sync() -> None:
-        nonlocal syncs
+    def prepare() -> None:
+        nonlocal pending
+        pending = {name: global_params[name] - params[name].detach() for name in fragments[syncs % len(fragments)]}
+
+    def perform(mix: float) -> None:
+        nonlocal syncs, pending
+        assert pending is not None
         index = syncs % len(fragments)
         with torch.no_grad():
+            local = {name: params[name].detach().clone() for name in fragments[index]}
             for name in fragments[index]:
-                p = params[name]
-                pseudo = global_params[name] - p
-                p.copy_(global_params[name])
-                p.grad = pseudo
+                params[name].copy_(global_params[name])
+                params[name].grad = pending[name]
         outers[index].step()
         outers[index].zero_grad()
-        for name in fragments[index]:
-            global_params[name] = params[name].detach().clone()
+        with torch.no_grad():
+            for name in fragments[index]:
+                global_params[name] = params[name].detach().clone()
+                params[name].lerp_(local[name], mix)
         syncs += 1
+        pending = None
 
     batches = list(DataLoader(data(), batch_size=4))
     for step in range(steps):
+        if step and (step + delay) % period == 0:
+            prepare()
         if step and step % period == 0:
-            sync()
+            perform(alpha)
         x, y = batches[step]
         inner.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         inner.step()
-    for _ in range(len(fragments)):  # the final sync: every fragment
-        sync()
+    remaining = len(fragments)
+    if pending is not None:
+        perform(0.0)
+        remaining -= 1
+    for _ in range(remaining):  # the final sync: every fragment
+        prepare()
+        perform(0.0)
     return model
 
 
 @pytest.mark.parametrize(
-    ("fragments", "names"),
+    ("fragments", "names", "delay", "alpha"),
     [
-        (None, [["body.weight", "body.bias", "head.weight", "head.bias"]]),
-        ([["body"], ["head"]], [["body.weight", "body.bias"], ["head.weight", "head.bias"]]),
+        (None, [["body.weight", "body.bias", "head.weight", "head.bias"]], 0, 0.0),
+        ([["body"], ["head"]], [["body.weight", "body.bias"], ["head.weight", "head.bias"]], 0, 0.0),
+        ([["body"], ["head"]], [["body.weight", "body.bias"], ["head.weight", "head.bias"]], 1, 0.0),
+        ([["body"], ["head"]], [["body.weight", "body.bias"], ["head.weight", "head.bias"]], 1, 0.5),
+        (None, [["body.weight", "body.bias", "head.weight", "head.bias"]], 3, 0.25),
     ],
-    ids=["diloco", "streaming-2-fragments"],
+    ids=["diloco", "streaming-2-fragments", "streaming-delay-1", "streaming-delay-1-alpha-0.5", "delay-3-alpha-0.25"],
 )
-def test_one_group_matches_a_hand_written_diloco(tmp_path, fragments, names):
+def test_one_group_matches_a_hand_written_diloco(tmp_path, fragments, names, delay, alpha):
     steps, sync_every, outer_lr = 12, 4, 0.7
     model = Net()
-    expected = reference(model, steps, sync_every, names, outer_lr)
+    expected = reference(model, steps, sync_every, names, outer_lr, delay, alpha)
     strategy = FTStrategy(
         algorithm="diloco",
         sync_every=sync_every,
         fragments=fragments,
+        fragment_sync_delay=delay,
+        fragment_update_alpha=alpha,
         outer_optimizer={
             "class_path": "torch.optim.SGD",
             "init_args": {"lr": outer_lr, "momentum": 0.9, "nesterov": True},

@@ -15,54 +15,77 @@ from test_fault_tolerance import GATES, start_together
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
-@pytest.mark.parametrize(
-    ("algorithm", "fragments"),
-    [
-        pytest.param("local_sgd", 1, id="local_sgd"),
-        pytest.param("diloco", 1, id="diloco"),
-        pytest.param("diloco", 2, id="streaming-diloco-2-fragments"),
-    ],
-)
-def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments):
-    """2 groups x 1 process, a sync every 4 inner steps (one fragment every 2 with 2 fragments)."""
+SEMI_SYNC_CASES = [
+    pytest.param("local_sgd", 1, 0, id="local_sgd"),
+    pytest.param("diloco", 1, 0, id="diloco"),
+    pytest.param("diloco", 2, 0, id="streaming-diloco-2-fragments"),
+    pytest.param("diloco", 2, 1, id="streaming-diloco-2-fragments-delay-1"),
+]
+
+
+def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: int, delay: int) -> list[str]:
+    return [
+        f"--max-steps={max_steps}",
+        "--async-quorum=0",
+        f"--algorithm={algorithm}",
+        f"--sync-every={sync_every}",
+        *([f"--fragments={fragments}", f"--fragment-sync-delay={delay}"] if algorithm == "diloco" else []),
+        *GATES,
+    ]
+
+
+@pytest.mark.parametrize(("algorithm", "fragments", "delay"), SEMI_SYNC_CASES)
+def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay):
+    """2 groups x 1 process, a sync every 4 inner steps (one fragment every 2 with 2 fragments; with a delay of 1, a
+    fragment's allreduce overlaps one inner step)."""
     max_steps, sync_every = 48, 4
-    job = launch(
-        groups=2,
-        worker_args=[
-            f"--max-steps={max_steps}",
-            "--async-quorum=0",
-            f"--algorithm={algorithm}",
-            f"--sync-every={sync_every}",
-            *([f"--fragments={fragments}"] if algorithm == "diloco" else []),
-            *GATES,
-        ],
-    )
+    job = launch(groups=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay))
     start_together(job, groups=2, nproc=1)
     kill_between_syncs_and_restart(job, nproc=1, victim_rank=0)
     assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
 
 
-@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
-def test_semi_sync_sigkill_rank_of_two_process_group_with_accumulation(launch, algorithm):
-    """2 groups x 2 processes: inner steps use DDP inside the group (with accumulation and clipping on the inner
-    optimizer); killing one rank restarts its whole group, which rejoins at the next sync."""
-    max_steps, sync_every = 32, 4
-    job = launch(
-        groups=2,
-        nproc_per_group=2,
-        worker_args=[
-            f"--max-steps={max_steps}",
-            "--accumulate=2",
-            "--clip=0.5",
-            "--async-quorum=0",
-            f"--algorithm={algorithm}",
-            f"--sync-every={sync_every}",
-            *GATES,
-        ],
+@pytest.mark.parametrize(
+    ("algorithm", "fragments", "delay"), [case for case in SEMI_SYNC_CASES if case.id != "streaming-diloco-2-fragments"]
+)
+def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
+    """Group 1 stops inside a sync, in its first cross-group allreduce, and is SIGKILLed there; group 0 is left
+    waiting in the same sync's allreduce. That sync fails on group 0 and does not commit (with DiLoCo, the fragment
+    goes back to its global parameters), its next sync commits alone, and the restarted group 1 heals in the sync
+    after that. Exactly one sync is lost: every replica ends with one committed sync less than an uninterrupted run,
+    and bit-identical parameters."""
+    max_steps, sync_every = 48, 4
+    job = launch(groups=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay))
+    start_together(job, groups=2, nproc=1)
+    attempt = job.attempt(1, 0)
+    victim = job.worker_pid(1, 0, attempt)
+    job.wait_for(
+        "group 1 to commit 3 syncs with its peer",
+        lambda: len([e for e in job.events("step", pid=victim, committed=True) if e["participants"] == 2]) >= 3,
     )
-    start_together(job, groups=2, nproc=2)
-    kill_between_syncs_and_restart(job, nproc=2, victim_rank=1)
-    assert_outcome(job, nproc=2, max_steps=max_steps, syncs=1 + max_steps // sync_every)
+    gate = job.root / "pause.group1.allreduce"
+    gate.touch()
+    job.wait_for("group 1 to stop inside a sync", lambda: job.events("paused", pid=victim, phase="allreduce"))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    gate.unlink()
+    job.wait_for("group 0 to end the sync that group 1 died in", lambda: after(job, killed_at))
+    # Group 0 then waits (heartbeating) until the restarted group 1 asks to join, so that it joins a sync.
+    pause = job.root / "pause.group0"
+    pause.touch()
+    restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
+    job.wait_for("group 1 to ask for its join sync", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+    uninterrupted = 1 + max_steps // (sync_every // fragments) + fragments - 1
+    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=uninterrupted - 1)
+    cut, *later = after(job, killed_at)
+    assert not cut["committed"], f"the sync that group 1 died in committed on group 0: {cut}"
+    assert later and all(e["committed"] for e in later), later
+
+
+def after(job: LaunchedJob, moment: float) -> list[dict]:
+    """Group 0's syncs that ended after ``moment``."""
+    return [e for e in job.events("step", group=0) if e["time"] > moment]
 
 
 def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank: int) -> None:

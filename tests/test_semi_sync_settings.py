@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -174,23 +173,6 @@ def test_automatic_split_is_contiguous_disjoint_and_complete(k):
     holders = fragment_modules(model, fragments)
     shared = {id(p) for holder in holders for p in holder.parameters()}
     assert shared == {id(p) for p in model.parameters() if p.requires_grad}  # shared, not copied
-
-
-def test_fragment_sync_delay_fit_is_refused_until_built(tmp_path):
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    trainer = pl.Trainer(
-        strategy=FTStrategy(algorithm="diloco", sync_every=4, fragment_sync_delay=1),
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-    )
-    with pytest.raises(NotImplementedError, match=r"fragment_sync_delay=1.*cannot fit yet"):
-        trainer.fit(BoringModel())
 
 
 @pytest.mark.parametrize(("config", "algorithm"), [("local_sgd.yaml", "local_sgd"), ("diloco.yaml", "diloco")])

@@ -111,11 +111,25 @@ class DiLoCoSync:
         """Take the current parameters as the global ones (after the ranks of a group were re-aligned, too)."""
         self._diloco._save_parameters()
 
-    def sync(self, protocol: StepProtocol) -> bool:
-        """One fragment's sync on the open quorum. A sync that does not commit leaves that fragment at its global
-        parameters (torchft restores them before the vote)."""
-        fragment = self._diloco._fragments[self.current_fragment()]
-        fragment.prepare_sync()
-        committed = fragment.perform_sync()
+    def prepare(self) -> int:
+        """Start the current fragment's sync on the open quorum: compute its pseudo-gradient and issue the
+        allreduce without waiting. Returns the fragment's index, for :meth:`perform`.
+
+        With ``fragment_sync_delay`` > 0 the inner steps in between run while the allreduce is in flight; the
+        pseudo-gradient is the one taken here."""
+        index = self.current_fragment()
+        self._diloco._fragments[index].prepare_sync()
+        return index
+
+    def perform(self, protocol: StepProtocol, index: int) -> bool:
+        """Finish fragment ``index``'s sync: wait for its allreduce, restore its global parameters, vote, and on a
+        commit take the outer step and mix in the local parameters by ``fragment_update_alpha``. A sync that does not
+        commit leaves the fragment at its global parameters (torchft restores them before the vote), which throws
+        away the fragment's inner steps since its last sync."""
+        committed = self._diloco._fragments[index].perform_sync()
         protocol.record_commit(committed)
         return committed
+
+    def sync(self, protocol: StepProtocol) -> bool:
+        """One fragment's whole sync on the open quorum (no overlap)."""
+        return self.perform(protocol, self.prepare())

@@ -41,6 +41,12 @@ class SyncCallback(Callback):
     the heal payload's loop position (taken by :class:`~lightning_ft.callbacks.DataPositionCallback` just before
     the quorum) is exactly the batch the joining group is about to train, and the epoch rollover is Lightning's.
 
+    With streaming DiLoCo's ``fragment_sync_delay`` (τ) a sync comes in two halves: at the batch start τ inner steps
+    before the sync step, the quorum opens and the fragment's pseudo-gradient allreduce starts; τ inner steps later,
+    at the sync step's batch start, the allreduce is waited on, the outer step taken and the vote held. The quorum
+    stays open in between, but those inner steps are the group's own work (``StepProtocol.sync_in_flight``): their
+    collectives stay inside the group, as in every other inner step.
+
     ``trainer.global_step`` counts inner steps and is Lightning's own; a healing group takes its peer's value from the
     heal payload. The Manager step counts committed syncs (the join sync at the start of the job included).
     """
@@ -48,6 +54,10 @@ class SyncCallback(Callback):
     def __init__(self) -> None:
         self._joined = False
         self._last_sync_step: int | None = None
+        self._opened_at: int | None = None  # global_step at which the latest sync's quorum opened
+        self._in_flight: int | None = None  # the DiLoCo fragment whose allreduce overlaps the inner steps
+        self._reason = ""
+        self._fragment_sync_delay = 0
         self._diloco: DiLoCoSync | None = None
         self._restored_diloco: dict[str, Any] | None = None
 
@@ -57,7 +67,9 @@ class SyncCallback(Callback):
             return
         _algorithm(trainer)
         self._joined = False
-        self._last_sync_step = None
+        self._last_sync_step = self._opened_at = self._in_flight = None
+        self._reason = ""
+        self._fragment_sync_delay = _algorithm(trainer).fragment_sync_delay
         self._diloco = None
         self._restored_diloco = None  # Lightning restores a checkpoint after setup (see on_load_checkpoint)
 
@@ -106,18 +118,35 @@ class SyncCallback(Callback):
         """Runs before ``on_train_start`` builds the fragments: keep the state until then."""
         self._restored_diloco = checkpoint.get(DILOCO_CHECKPOINT_KEY)
 
-    def _sync(self, trainer: pl.Trainer, reason: str) -> None:
+    # ------------------------------------------------------------------ one sync: open, (prepare), finish
+    def _open(self, trainer: pl.Trainer, reason: str) -> None:
+        """Open the sync's quorum; with synchronous quorum a group that is behind heals in here."""
+        ft_step_protocol(trainer).open_quorum()
+        self._reason = reason
+        self._opened_at = trainer.global_step
+
+    def _prepare(self, trainer: pl.Trainer) -> None:
+        """Start a DiLoCo fragment's allreduce and let the next inner steps train while it is in flight."""
+        assert self._diloco is not None
+        self._in_flight = self._diloco.prepare()
+        ft_step_protocol(trainer).sync_in_flight = True
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Average (or take the outer step), vote, close the quorum."""
         protocol = ft_step_protocol(trainer)
         manager = protocol.manager
-        protocol.open_quorum()
+        protocol.sync_in_flight = False
         try:
             if self._diloco is None:
                 committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
-            elif reason == "join" and manager.current_step() == 0:
+            elif self._in_flight is not None:
+                committed = self._diloco.perform(protocol, self._in_flight)
+            elif self._reason == "join" and manager.current_step() == 0:
                 committed = self._diloco.join_at_start(protocol)
             else:
                 committed = self._diloco.sync(protocol)
         finally:
+            self._in_flight = None
             protocol.close()
         self._last_sync_step = trainer.global_step
         if events.enabled():
@@ -127,13 +156,30 @@ class SyncCallback(Callback):
                 global_step=trainer.global_step,
                 committed=committed,
                 participants=manager.num_participants(),
-                sync=reason,
+                sync=self._reason,
+                opened_at=self._opened_at,
             )
         if committed and manager.current_step() == 1 and trainer.world_size > 1:
             # init_sync healed each group rank from a possibly different group (see broadcast_state_in_group).
             broadcast_state_in_group(trainer)
             if self._diloco is not None:
                 self._diloco.reset_global_parameters()  # the backups were taken before the ranks were re-aligned
+
+    def _sync(self, trainer: pl.Trainer, reason: str) -> None:
+        """A whole sync with no overlap."""
+        self._open(trainer, reason)
+        self._finish(trainer)
+
+    def _join(self, trainer: pl.Trainer) -> None:
+        """A process lifetime's first sync. The quorum decides where this group is (a restarted group heals to its
+        peers' ``global_step``, which is their next sync's opening step); from there it does what its peers do at
+        that step: a whole sync, or with ``fragment_sync_delay`` the first half of one."""
+        self._open(trainer, "join")
+        at_start = self._diloco is not None and ft_manager(trainer).current_step() == 0
+        if self._fragment_sync_delay and not at_start and trainer.global_step % _algorithm(trainer).sync_period:
+            self._prepare(trainer)
+        else:
+            self._finish(trainer)
 
     @override
     def on_train_batch_start(
@@ -146,11 +192,17 @@ class SyncCallback(Callback):
         if not self._joined:
             events.emit("joining", step=ft_manager(trainer).current_step())
             self._joined = True
-            self._sync(trainer, "join")
+            self._join(trainer)
             return
-        step = trainer.global_step
-        if step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step:
-            self._sync(trainer, "periodic")
+        step, period = trainer.global_step, _algorithm(trainer).sync_period
+        if self._in_flight is not None and step % period == 0 and step != self._opened_at:
+            self._finish(trainer)
+        if self._in_flight is None and (step + self._fragment_sync_delay) % period == 0 and step != self._opened_at:
+            self._open(trainer, "periodic")
+            if self._fragment_sync_delay:
+                self._prepare(trainer)
+            else:
+                self._finish(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -161,16 +213,27 @@ class SyncCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The final sync: every group ends training at the same ``global_step`` and leaves with the same parameters.
 
-        Only when that step is a sync step; otherwise the last inner steps stay local (FTStrategy warns at setup).
-        Streaming DiLoCo syncs every fragment in turn, taking the global parameters (``fragment_update_alpha`` is
-        not applied), so that no fragment is left with local values.
+        A fragment sync still in flight is finished first (its peers have one too). Then, only when the last step is
+        a sync step, every fragment syncs in turn, taking the global parameters (``fragment_update_alpha`` is not
+        applied), so that no fragment is left with local values. Otherwise the last inner steps stay local (FTStrategy
+        warns at setup).
         """
+        if not self._joined:
+            return
         step = trainer.global_step
-        if not self._joined or step % _algorithm(trainer).sync_period or step == self._last_sync_step:
+        final = step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step
+        if not final:
+            if self._in_flight is not None:
+                self._finish(trainer)
             return
         if self._diloco is None:
             self._sync(trainer, "final")
             return
         with self._diloco.without_update_alpha():
-            for _ in range(self._diloco.num_fragments):
+            remaining = self._diloco.num_fragments
+            if self._in_flight is not None:
+                self._reason = "final"
+                self._finish(trainer)
+                remaining -= 1
+            for _ in range(remaining):
                 self._sync(trainer, "final")

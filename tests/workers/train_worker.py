@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -136,6 +137,8 @@ class TestGates(pl.Callback):
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
       batches before it (``paused`` event).
+    * ``<dir>/pause.group<G>.allreduce``: group G stops in its next cross-group allreduce, before handing it to the
+      process group: its peers are left waiting in theirs (``paused`` event).
     """
 
     def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
@@ -151,6 +154,17 @@ class TestGates(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events.emit("rank_zero", rank_zero=rank_zero_only.rank == 0)
+        manager = trainer.strategy.manager
+        allreduce = manager.allreduce
+        pause = self.directory / f"pause.group{self.group}.allreduce"
+
+        def pausing_allreduce(*args: Any, **kwargs: Any) -> Any:
+            if pause.exists():
+                events.emit("paused", phase="allreduce", step=trainer.global_step)
+                self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+            return allreduce(*args, **kwargs)
+
+        manager.allreduce = pausing_allreduce
         go = self.directory / "go"
         self._wait(go.exists, f"{go} to appear")
 
@@ -250,6 +264,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ddp", help="FTStrategy(algorithm=...): ddp, local_sgd, diloco")
     parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
     parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
+    parser.add_argument("--fragment-sync-delay", type=int, default=None, help="FTStrategy(fragment_sync_delay=...)")
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -272,6 +287,8 @@ def main() -> None:
     algorithm = {} if args.algorithm == "ddp" else {"algorithm": args.algorithm, "sync_every": args.sync_every}
     if args.fragments is not None:
         algorithm["fragments"] = args.fragments
+    if args.fragment_sync_delay is not None:
+        algorithm["fragment_sync_delay"] = args.fragment_sync_delay
     trainer = pl.Trainer(
         strategy=FTStrategy(
             **algorithm,
