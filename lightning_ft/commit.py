@@ -100,6 +100,13 @@ class StepProtocol:
         self._decision = decision
         self.last_step_committed = decision
 
+    def release(self) -> None:
+        """End an open quorum without a vote: it only had to find out who is there (every group then knows it is
+        where the others are), nothing was exchanged, nothing is to commit."""
+        self._quorum_open = False
+        self._decision = None
+        self.sync_in_flight = False
+
     def close(self) -> None:
         """End the step whose decision was taken; the next batch opens a new quorum."""
         if self._decision is None:

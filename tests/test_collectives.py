@@ -80,9 +80,14 @@ class FakeJob:
 
 
 class FakeProtocol:
-    def __init__(self, quorum_open: bool) -> None:
+    def __init__(self, quorum_open: bool, sync_in_flight: bool = False) -> None:
         self.quorum_open = quorum_open
+        self.sync_in_flight = sync_in_flight
         self.quorums_opened = 1
+
+    @property
+    def in_step(self) -> bool:
+        return self.quorum_open and not self.sync_in_flight
 
 
 def run_groups(
@@ -170,6 +175,23 @@ def test_outside_steps_and_sections_reductions_stay_in_the_group():
         return collectives.reduce(torch.tensor(float(index + 1)), "sum").item()
 
     assert run_groups(job, work, protocols) == [1.0, 2.0]
+    assert all(manager.quorums == [] for manager in job.managers)
+
+
+def test_inner_steps_overlapping_a_sync_stay_in_the_group_and_sections_use_the_syncs_quorum():
+    """Streaming DiLoCo with fragment_sync_delay: the sync's quorum stays open while inner steps train. Their
+    collectives stay group-local; a section (validation) in those steps crosses groups on that open quorum, without
+    starting a quorum that would reconfigure the process group under the sync's allreduce."""
+    job = FakeJob([0, 1])
+    protocols = [FakeProtocol(quorum_open=True, sync_in_flight=True) for _ in range(2)]
+
+    def inner_step(index: int, collectives: CrossGroupCollectives) -> float:
+        collectives.close_section()
+        return collectives.reduce(torch.tensor(float(index + 1)), "sum").item()
+
+    assert run_groups(job, inner_step, protocols) == [1.0, 2.0]
+    in_section = run_groups(job, lambda index, c: c.reduce(torch.tensor(float(index + 1)), "sum").item(), protocols)
+    assert in_section == [3.0, 3.0]
     assert all(manager.quorums == [] for manager in job.managers)
 
 

@@ -168,9 +168,12 @@ def test_one_group_matches_a_hand_written_diloco(tmp_path, fragments, names, del
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} differs from the reference")
 
 
-def fit_diloco(tmp_path, model: Net, max_steps: int, ckpt_path=None, callbacks=()) -> pl.Trainer:
+def fit_diloco(tmp_path, model: Net, max_steps: int, ckpt_path=None, callbacks=(), delay: int = 0) -> pl.Trainer:
+    strategy = FTStrategy(
+        algorithm="diloco", sync_every=4, fragments=2, fragment_sync_delay=delay, timeout=20, quorum_timeout=20
+    )
     trainer = pl.Trainer(
-        strategy=FTStrategy(algorithm="diloco", sync_every=4, fragments=2, timeout=20, quorum_timeout=20),
+        strategy=strategy,
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
@@ -187,18 +190,26 @@ def fit_diloco(tmp_path, model: Net, max_steps: int, ckpt_path=None, callbacks=(
     return trainer
 
 
-def test_resume_restores_global_parameters_and_outer_optimizer(tmp_path):
-    """A checkpoint taken at a sync step (before that sync) holds DiLoCo's global parameters and outer optimizer
-    state: resuming from it ends bit-identical to a run that was never interrupted."""
+@pytest.mark.parametrize(
+    ("checkpoint_step", "delay"),
+    [(6, 0), (5, 0), (5, 1)],
+    ids=["at-a-sync-step", "between-syncs", "at-a-delayed-sync-opening"],
+)
+def test_resume_restores_global_parameters_and_outer_optimizer(tmp_path, checkpoint_step, delay):
+    """A checkpoint holds DiLoCo's global parameters and outer optimizer state: resuming from it ends bit-identical to
+    a run that was never interrupted. Taken at a sync step, the resumed run starts with that sync; taken between two
+    syncs, it starts with no sync at all (every group resumes at the same step, nobody heals); taken where a delayed
+    sync opens, it starts with that sync's first half."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     straight = Net()
-    fit_diloco(tmp_path / "straight", straight, max_steps=12)
+    fit_diloco(tmp_path / "straight", straight, max_steps=12, delay=delay)
 
     first = Net()
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
-    fit_diloco(tmp_path / "first", first, max_steps=6, callbacks=[checkpoint])
-    saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_step, save_top_k=-1)
+    fit_diloco(tmp_path / "first", first, max_steps=checkpoint_step, callbacks=[checkpoint], delay=delay)
+    path = tmp_path / "ckpt" / f"epoch=0-step={checkpoint_step}.ckpt"
+    saved = torch.load(path, weights_only=False)
     assert len(saved["lightning_ft_diloco"]["outer_optimizers"]) == 2
 
     resumed = Net()
@@ -206,8 +217,9 @@ def test_resume_restores_global_parameters_and_outer_optimizer(tmp_path):
         tmp_path / "resumed",
         resumed,
         max_steps=12,
-        ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt",
+        ckpt_path=path,
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2")],
+        delay=delay,
     )
     for (name, got), (_, want) in zip(resumed.named_parameters(), straight.named_parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} differs after resume")

@@ -171,15 +171,28 @@ class SyncCallback(Callback):
         self._finish(trainer)
 
     def _join(self, trainer: pl.Trainer) -> None:
-        """A process lifetime's first sync. The quorum decides where this group is (a restarted group heals to its
-        peers' ``global_step``, which is their next sync's opening step); from there it does what its peers do at
-        that step: a whole sync, or with ``fragment_sync_delay`` the first half of one."""
+        """A process lifetime's first batch opens a quorum; where that leaves this group decides what follows.
+
+        * The job's start (Manager step 0): a sync, in which ``init_sync`` makes every group identical.
+        * A restarted group heals in the quorum to its peers' ``global_step``, which is the opening step of their
+          next sync: it does what they do there, a whole sync, or with ``fragment_sync_delay`` its first half.
+        * Every group resumed from the same checkpoint between two syncs (nobody heals: all are at the checkpoint's
+          Manager step): no sync here, the quorum is released without a vote, and the schedule goes on as if the job
+          had never stopped. Resuming inside a delayed sync's overlap window cannot do that (the pseudo-gradient in
+          flight is not in the checkpoint): that sync is redone from the resume point.
+        """
         self._open(trainer, "join")
-        at_start = self._diloco is not None and ft_manager(trainer).current_step() == 0
-        if self._fragment_sync_delay and not at_start and trainer.global_step % _algorithm(trainer).sync_period:
-            self._prepare(trainer)
-        else:
+        step, period, delay = trainer.global_step, _algorithm(trainer).sync_period, self._fragment_sync_delay
+        since_opening = (step + delay) % period  # inner steps since the latest sync's opening step
+        if ft_manager(trainer).current_step() == 0 or (since_opening == 0 and not delay):
             self._finish(trainer)
+        elif since_opening > delay:
+            ft_step_protocol(trainer).release()
+            events.emit("joined_between_syncs", global_step=step, step=ft_manager(trainer).current_step())
+        elif step % period == 0:
+            self._finish(trainer)
+        else:
+            self._prepare(trainer)
 
     @override
     def on_train_batch_start(
