@@ -198,7 +198,7 @@ def test_example_configs_parse_into_the_strategy(config, algorithm, monkeypatch)
     settings = cli.trainer.strategy.algorithm
     assert settings.algorithm == algorithm and settings.use_async_quorum is False
     if algorithm == "diloco":
-        assert (settings.num_fragments, settings.sync_period, settings.fragment_sync_delay) == (2, 20, 0)
+        assert (settings.num_fragments, settings.sync_period, settings.fragment_sync_delay) == (2, 20, 1)
         outer = settings.outer_optimizer([nn.Parameter(torch.zeros(1))])
         group = outer.param_groups[0]
         assert (type(outer), group["lr"], group["momentum"], group["nesterov"]) == (torch.optim.SGD, 0.7, 0.9, True)
