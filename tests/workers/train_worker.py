@@ -341,6 +341,8 @@ def main() -> None:
     else:
         loader = DataLoader(train_data, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
+    if args.seed is not None:  # the weights a test can rebuild: nothing above may draw from the generator first
+        torch.manual_seed(args.seed)
     model = Regressor(lr=args.lr, manual=args.manual, sync_train_log=args.sync_train_log, optimizer=args.optimizer)
     trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
     if args.evaluate_after:
