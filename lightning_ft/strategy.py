@@ -13,7 +13,9 @@ One optimizer step
 1. ``QuorumCallback.on_train_batch_start`` opens the step's quorum (once per accumulation window). With synchronous
    quorum, a group that is behind heals here, before its forward pass.
 2. Forward and backward run as usual. DDP reduces gradients inside the group; its comm hook
-   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager.
+   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager. With
+   ``data_parallel="fsdp"`` (HSDP, :mod:`lightning_ft.hsdp`), FSDP2 reduce-scatters inside the group instead and its
+   all-reduce hook (:func:`~lightning_ft.comm.fsdp_cross_group_hook`) averages each rank's shard across groups.
 3. :meth:`FTStrategy.optimizer_step` hands the precision plugin a
    :class:`~lightning_ft.commit.CommitGatedOptimizer`: clipping, ``on_before_optimizer_step`` and GradScaler run as
    usual, then the real optimizer steps only if ``should_commit()`` agrees. With asynchronous quorum, a group that is
@@ -101,7 +103,8 @@ class FTStrategy(DDPStrategy):
         min_replica_size: A step commits only if at least this many groups took part in it.
         use_async_quorum: Compute the quorum during the forward pass (faster). A group that is behind then sits out
             one step and heals inside the commit vote. With ``False`` it heals before its forward pass. Default:
-            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``).
+            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``)
+            and for ``data_parallel="fsdp"`` (which refuses ``True``).
         timeout: Seconds for cross-group collectives, the commit vote and state transfer.
         quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.

@@ -322,3 +322,60 @@ def test_checkpoint_holds_the_full_state_and_resumes_sharded(tmp_path):
     resumed.fit(Blocks(), loader(), ckpt_path=tmp_path / "last.ckpt")
     assert restored.pop("step") == 3 and resumed.global_step == 4
     assert_tree_equal(reference, restored)
+
+
+# ---------------------------------------------------------------------------------------------------- numerics
+class CallsForward(Blocks):
+    """Goes through ``self(x)`` (a forward nested in the registered training_step), logs, validates."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_fsdp_group_trains_like_a_ddp_group_with_accumulation_and_clipping(manual):
+    """One group of one process: the same steps with FSDP2 (accumulation through set_requires_gradient_sync,
+    clipping over DTensor gradients, nested forward) as with DDP; validation and test run on the sharded model."""
+
+    class Manual(CallsForward):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss)
+            self.clip_gradients(optimizer, gradient_clip_val=0.5)
+            optimizer.step()
+            return loss
+
+    def fit(strategy: FTStrategy) -> dict[str, torch.Tensor]:
+        torch.manual_seed(3)
+        model = Manual() if manual else CallsForward()
+        options: dict[str, Any] = {} if manual else {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+        run = trainer(strategy, max_steps=4, limit_val_batches=2, val_check_interval=4, **options)
+        run.fit(model, loader(), loader(n=32))
+        run.validate(model, loader(n=32), verbose=False)
+        run.test(model, loader(n=32), verbose=False)
+        return {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in model.state_dict().items()}
+
+    ddp = fit(FTStrategy())
+    sharded = fit(fsdp(fsdp_wrap=["Linear"]))
+    for name, tensor in ddp.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
