@@ -25,8 +25,10 @@ import importlib
 import logging
 from collections.abc import Iterator
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
@@ -98,9 +100,14 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) ->
 
 
 def register_step_methods(module: FSDPModule) -> None:
-    """Register the LightningModule's step methods as FSDP forward methods (once per module object)."""
+    """Register the LightningModule's own step methods as FSDP forward methods (once per module object).
+
+    Only the ones the LightningModule overrides: Lightning decides from that which loops to run.
+    """
     registered: set[str] = vars(module).setdefault(_REGISTERED_MARK, set())
     for name in STEP_METHODS:
+        if isinstance(module, pl.LightningModule) and not is_overridden(name, module):
+            continue
         if name not in registered and hasattr(module, name):
             register_fsdp_forward_method(module, name)  # type: ignore[arg-type]
             registered.add(name)
