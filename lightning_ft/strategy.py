@@ -192,16 +192,16 @@ class FTStrategy(DDPStrategy):
             fsdp_mixed_precision=fsdp_mixed_precision,
             fsdp_cpu_offload=fsdp_cpu_offload,
             fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-            ddp_kwargs=kwargs,
+            ddp_kwargs=dict(kwargs),  # a copy: LightningCLI's signature reader gives up on `name=kwargs`
         )
+        # Read here, not in a helper: LightningCLI's signature reader takes this default (True) as the setting's.
+        find_unused_parameters = kwargs.get("find_unused_parameters", True)
         if self.data_parallel.sharded:
             # FSDP2 reshards parameters in the forward pass; an asynchronous quorum would read them meanwhile.
             use_async_quorum = False
         else:
-            self._check_ddp_kwargs(kwargs)
-        # (Unused with FSDP, where no DDP wrapper exists. A plain assignment, so that LightningCLI leaves the
-        # setting out of FTStrategy's options.)
-        kwargs["find_unused_parameters"] = True
+            self._check_ddp_kwargs(find_unused_parameters, kwargs)
+        kwargs["find_unused_parameters"] = True  # (unused with FSDP, where no DDP wrapper exists)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -245,11 +245,11 @@ class FTStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
 
     @staticmethod
-    def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
         # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after a group's first
         # step, so bucket i holds the same parameters in every group; a restarted group's first step would otherwise
         # allreduce a different layout against its peers. torchft's own DDP wrapper forces it for the same reason.
-        if kwargs.get("find_unused_parameters", True) is not True:
+        if find_unused_parameters is not True:
             raise FTConfigError(
                 "find_unused_parameters=False is not supported by FTStrategy: DDP would rebuild its gradient buckets "
                 "after a group's first step, so a restarted group's buckets would not line up with its peers'. "

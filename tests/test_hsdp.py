@@ -88,7 +88,7 @@ def test_fsdp_defaults_to_synchronous_quorum_and_ddp_stays_the_default():
         ({"data_parallel": "fsdp", "algorithm": "local_sgd", "sync_every": 4}, r"data_parallel='fsdp'.*'local_sgd'"),
         ({"data_parallel": "fsdp", "use_async_quorum": True}, r"use_async_quorum=True.*data_parallel='fsdp'"),
         ({"data_parallel": "fsdp", "bucket_cap_mb": 10}, r"bucket_cap_mb.*DistributedDataParallel"),
-        ({"data_parallel": "fsdp", "find_unused_parameters": True}, r"find_unused_parameters.*do not apply"),
+        ({"data_parallel": "fsdp", "static_graph": True}, r"static_graph.*do not apply"),
         ({"data_parallel": "fsdp", "fsdp_min_params": 0}, r"fsdp_min_params=0"),
         ({"data_parallel": "fsdp", "fsdp_mixed_precision": {"param_dtype": "bf17"}}, r"param_dtype='bf17'"),
         ({"data_parallel": "fsdp", "fsdp_mixed_precision": {"dtype": "bfloat16"}}, r"unknown key.*'dtype'"),
@@ -139,6 +139,14 @@ def test_auto_wrap_by_class_shards_listed_modules_and_the_root():
     assert sharded_modules(model) == ["", "blocks.0.0", "blocks.1.0", "head"]
     assert all(isinstance(param, DTensor) for param in model.parameters())
     assert run.global_step == 2
+
+
+def test_a_second_fit_keeps_the_auto_wrapped_layout():
+    model = Blocks()
+    for max_steps in (1, 2):
+        run = trainer(fsdp(fsdp_wrap=["Linear"]), max_steps=max_steps)
+        run.fit(model, loader())
+    assert sharded_modules(model) == ["", "blocks.0.0", "blocks.1.0", "head"]
 
 
 def test_auto_wrap_by_size_counts_parameters_not_already_wrapped():

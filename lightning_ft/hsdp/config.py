@@ -36,8 +36,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 
-# DDPStrategy's own settings that still mean something when the group shards with FSDP2.
-_KWARGS_KEPT_WITH_FSDP = ("start_method",)
+# DDPStrategy's own settings that still mean something when the group shards with FSDP2, and
+# find_unused_parameters, which FTStrategy fixes to True in every mode (LightningCLI passes it as True).
+_KWARGS_KEPT_WITH_FSDP = ("start_method", "find_unused_parameters")
 
 
 def _ddp_defaults() -> dict[str, Any]:

@@ -43,6 +43,7 @@ MESH_DIM = "data_parallel"
 # The LightningModule methods Lightning calls in place of forward.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _REGISTERED_MARK = "_lightning_ft_fsdp_forward_methods"
+_AUTO_WRAPPED_MARK = "_lightning_ft_auto_wrapped"
 
 
 def group_mesh(device: torch.device) -> DeviceMesh:
@@ -70,6 +71,8 @@ def unmanaged_parameters(module: nn.Module) -> list[str]:
 def shard_module(module: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) -> None:
     """Shard ``module`` (the LightningModule) in place: keep ``configure_model``'s layout or apply the auto-wrap
     policy; make sure every parameter is managed; register the step methods as FSDP forward methods."""
+    if vars(module).get(_AUTO_WRAPPED_MARK, False):
+        return  # sharded by an earlier fit of this strategy (a second trainer.fit): FSDP2 sharding is in place
     if is_sharded(module):
         given = settings.sharding_options_given
         if given:
@@ -89,6 +92,7 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) ->
             fully_shard(module, mesh=mesh)
     else:
         _auto_wrap(module, mesh, settings)
+        vars(module)[_AUTO_WRAPPED_MARK] = True
     left_out = unmanaged_parameters(module)
     if left_out:  # the LightningModule is a fully_shard but its parameters are not DTensors: something else holds them
         raise RuntimeError(
