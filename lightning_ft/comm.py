@@ -1,6 +1,6 @@
-"""The DDP communication hook that averages gradients inside the group and then across groups.
+"""The communication hooks that average gradients across replica groups: one for DDP, one for FSDP2.
 
-Why a hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
+Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
 
 * torchft 0.2.0's hook asserts on an internal future (``assert fut._fut``) that is ``None`` when a peer died in the
   middle of the allreduce, so the *survivor* crashes exactly when it should carry on. Here the error is left with
@@ -8,6 +8,12 @@ Why a hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
   future. The bucket's contents are garbage in that case, which is fine: the step is not committed.
 * torchft's cross-group process group only links equal group ranks, so a group of several processes must reduce
   inside the group first, on the group's own process group, and only then across groups.
+
+With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and :func:`fsdp_cross_group_hook` is FSDP2's
+all-reduce hook: it averages each rank's reduced shard with the same shard of the other groups. That is the HSDP
+pattern of torchft 0.2.0 (TorchTitan's ``set_all_reduce_hook`` over torchft's ``ManagedProcessGroup``, whose
+``allreduce`` is ``Manager.allreduce``); the hook calls the Manager directly so that it can check the step's quorum
+first, as the DDP hook does.
 """
 
 # No `from __future__ import annotations` here: torch's DDP inspects the hook's annotations at registration and
@@ -45,3 +51,22 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done
+
+
+def fsdp_cross_group_hook(
+    manager: Manager, before_allreduce: Callable[[], None] = lambda: None
+) -> Callable[[torch.Tensor], None]:
+    """FSDP2's all-reduce hook: average this rank's reduce-scattered gradient shard across groups, in place.
+
+    FSDP2 calls it once per ``fully_shard`` parameter group in backward, with the group-averaged flat shard of that
+    parameter group (``set_all_reduce_hook``). Rank *r* of every group holds the same shard, and torchft's
+    cross-group process group links exactly the rank-*r* processes, so the Manager's average is the job-wide
+    average. As with DDP, a cross-group failure never raises: the Manager records it, the shard holds garbage, and
+    the step does not commit.
+    """
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        before_allreduce()
+        manager.allreduce(reduce_output).wait()
+
+    return hook

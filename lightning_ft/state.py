@@ -8,6 +8,9 @@ strings, containers): the HTTP transport loads it with ``weights_only=True``.
 The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
 step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
 
+With FSDP (``data_parallel="fsdp"``) the model and optimizer entries are this rank's shards: DTensors travel as
+their local tensors and are wrapped back on arrival (:mod:`lightning_ft.hsdp.shards`).
+
 The data position travels beside this state, under its own key: each group reads its own shard, so what a healing
 group takes from its peer is the *loop position* (epoch and batch counters), and it then moves its iterator to that
 position in its own shard (:class:`~lightning_ft.callbacks.DataPositionCallback`). Every group thus stays at the same
@@ -23,6 +26,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer import call as lightning_call
 
+from lightning_ft.hsdp.checkpoint import full_model_state, full_optimizer_state
+from lightning_ft.hsdp.shards import (
+    IncompatibleShardError,
+    holds_shards,
+    model_from_local_shards,
+    optimizer_from_local_shards,
+    to_local_shards,
+)
+
 STATE_KEY = "lightning"
 
 
@@ -36,7 +48,7 @@ def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
     Sharing is safe: torchft serves the staged state only until ``should_commit()``, which waits for every reader
     before the optimizer is allowed to step.
     """
-    return {
+    state = {
         "model": trainer.lightning_module.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -44,10 +56,16 @@ def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
         "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
         "callbacks": lightning_call._call_callbacks_state_dict(trainer),
     }
+    if holds_shards(trainer):
+        state["model"] = to_local_shards(state["model"])
+        state["optimizers"] = to_local_shards(state["optimizers"])
+    return state
 
 
 def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     """Load a peer's state into this replica, refusing anything that does not match its structure."""
+    if holds_shards(trainer):
+        state = _from_local_shards(trainer, state)
     _check_compatible(trainer, state)
     module = trainer.lightning_module
     try:
@@ -61,6 +79,22 @@ def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     trainer.precision_plugin.load_state_dict(state["precision"])
     trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
     lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": state["callbacks"]})
+
+
+def _from_local_shards(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, Any]:
+    if len(state["optimizers"]) != len(trainer.optimizers):
+        _check_compatible(trainer, state)  # raises, naming the counts
+    try:
+        return {
+            **state,
+            "model": model_from_local_shards(state["model"], trainer.lightning_module.state_dict()),
+            "optimizers": [
+                optimizer_from_local_shards(optimizer_state, optimizer)
+                for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True)
+            ],
+        }
+    except IncompatibleShardError as error:
+        raise IncompatibleReplicaError(str(error)) from error
 
 
 def _check_compatible(trainer: pl.Trainer, state: dict[str, Any]) -> None:
@@ -123,9 +157,19 @@ def broadcast_state_in_group(trainer: pl.Trainer) -> None:
 
 
 def state_fingerprint(trainer: pl.Trainer) -> str:
-    """SHA-256 over the exact bytes of the model and optimizer state: equal fingerprints mean bit-identical replicas."""
+    """SHA-256 over the exact bytes of the model and optimizer state: equal fingerprints mean bit-identical replicas.
+
+    With FSDP it covers the full (unsharded) state, gathered on every rank (a collective inside the group), so every
+    rank of every replica reports the same fingerprint.
+    """
     digest = hashlib.sha256()
-    _hash_tree(digest, "model", trainer.lightning_module.state_dict())
+    module = trainer.lightning_module
+    if holds_shards(trainer):
+        _hash_tree(digest, "model", full_model_state(module, rank0_only=False))
+        for index, optimizer in enumerate(trainer.optimizers):
+            _hash_tree(digest, f"optimizer{index}", full_optimizer_state(module, optimizer, rank0_only=False))
+        return digest.hexdigest()
+    _hash_tree(digest, "model", module.state_dict())
     for index, optimizer in enumerate(trainer.optimizers):
         _hash_tree(digest, f"optimizer{index}", optimizer.state_dict())
     return digest.hexdigest()

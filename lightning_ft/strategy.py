@@ -13,7 +13,9 @@ One optimizer step
 1. ``QuorumCallback.on_train_batch_start`` opens the step's quorum (once per accumulation window). With synchronous
    quorum, a group that is behind heals here, before its forward pass.
 2. Forward and backward run as usual. DDP reduces gradients inside the group; its comm hook
-   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager.
+   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager. With
+   ``data_parallel="fsdp"`` (HSDP, :mod:`lightning_ft.hsdp`), FSDP2 reduce-scatters inside the group instead and its
+   all-reduce hook (:func:`~lightning_ft.comm.fsdp_cross_group_hook`) averages each rank's shard across groups.
 3. :meth:`FTStrategy.optimizer_step` hands the precision plugin a
    :class:`~lightning_ft.commit.CommitGatedOptimizer`: clipping, ``on_before_optimizer_step`` and GradScaler run as
    usual, then the real optimizer steps only if ``should_commit()`` agrees. With asynchronous quorum, a group that is
@@ -42,14 +44,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -57,6 +62,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -67,8 +73,11 @@ from lightning_ft import events
 from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
 from lightning_ft.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.collectives import CrossGroupCollectives
-from lightning_ft.comm import FTCommState, ft_allreduce_hook
+from lightning_ft.comm import FTCommState, fsdp_cross_group_hook, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
+from lightning_ft.hsdp import checkpoint as sharded_checkpoint
+from lightning_ft.hsdp.config import DataParallelSettings, resolve_data_parallel
+from lightning_ft.hsdp.sharding import fsdp_modules, group_mesh, is_sharded, shard_module
 from lightning_ft.manager import ManagerHandle, build_manager
 from lightning_ft.position_sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
@@ -94,7 +103,8 @@ class FTStrategy(DDPStrategy):
         min_replica_size: A step commits only if at least this many groups took part in it.
         use_async_quorum: Compute the quorum during the forward pass (faster). A group that is behind then sits out
             one step and heals inside the commit vote. With ``False`` it heals before its forward pass. Default:
-            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``).
+            ``True`` for ``algorithm="ddp"``, ``False`` for the semi-synchronous algorithms (DiLoCo refuses ``True``)
+            and for ``data_parallel="fsdp"`` (which refuses ``True``).
         timeout: Seconds for cross-group collectives, the commit vote and state transfer.
         quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
@@ -118,8 +128,20 @@ class FTStrategy(DDPStrategy):
             ``sync_every / fragments``). Default 0.
         fragment_update_alpha: DiLoCo only: in [0, 1]; 0 takes the new global parameters, 1 keeps the local ones.
         quantize: DiLoCo only: quantise pseudo-gradients for the allreduce. Needs CUDA and Triton.
+        data_parallel: How a group is data parallel inside itself: ``"ddp"`` (every rank holds a full replica) or
+            ``"fsdp"`` (FSDP2 shards the model inside the group; gradients are reduce-scattered in the group and the
+            shards averaged across groups; HSDP, see ``docs/hsdp.md``). ``"fsdp"`` defaults to synchronous quorum.
+        fsdp_wrap: FSDP only, when ``configure_model`` does not call ``fully_shard``: module classes that get their
+            own ``fully_shard``, by class name (``"TransformerBlock"``) or import path (``"torch.nn.Linear"``).
+        fsdp_min_params: FSDP only: also shard every module with at least this many parameters of its own.
+        fsdp_mixed_precision: FSDP only: FSDP2's ``MixedPrecisionPolicy`` fields, dtypes by name, e.g.
+            ``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``.
+        fsdp_cpu_offload: FSDP only: keep sharded parameters, gradients and optimizer state in CPU memory.
+        fsdp_reshard_after_forward: FSDP only: FSDP2's ``reshard_after_forward`` (default: true for inner modules,
+            false for the root).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` and on to torch's
             ``DistributedDataParallel`` (``find_unused_parameters`` is always ``True``, see ``_setup_model``).
+            With ``data_parallel="fsdp"`` only ``start_method`` is accepted.
     """
 
     strategy_name = "ft"
@@ -147,6 +169,12 @@ class FTStrategy(DDPStrategy):
         fragment_sync_delay: int | None = None,
         fragment_update_alpha: float | None = None,
         quantize: bool = False,
+        data_parallel: str = "ddp",
+        fsdp_wrap: list[str] | None = None,
+        fsdp_min_params: int | None = None,
+        fsdp_mixed_precision: dict[str, Any] | None = None,
+        fsdp_cpu_offload: bool = False,
+        fsdp_reshard_after_forward: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -155,19 +183,25 @@ class FTStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after a group's first
-        # step, so bucket i holds the same parameters in every group; a restarted group's first step would otherwise
-        # allreduce a different layout against its peers. torchft's own DDP wrapper forces it for the same reason.
-        if kwargs.get("find_unused_parameters", True) is not True:
-            raise FTConfigError(
-                "find_unused_parameters=False is not supported by FTStrategy: DDP would rebuild its gradient buckets "
-                "after a group's first step, so a restarted group's buckets would not line up with its peers'. "
-                "Remove the setting."
-            )
-        for unsupported in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(unsupported) is not None:
-                raise FTConfigError(f"{unsupported}: FTStrategy installs its own cross-group comm hook; remove it.")
-        kwargs["find_unused_parameters"] = True
+        self.data_parallel: DataParallelSettings = resolve_data_parallel(
+            data_parallel=data_parallel,
+            algorithm=algorithm,
+            use_async_quorum=use_async_quorum,
+            fsdp_wrap=fsdp_wrap,
+            fsdp_min_params=fsdp_min_params,
+            fsdp_mixed_precision=fsdp_mixed_precision,
+            fsdp_cpu_offload=fsdp_cpu_offload,
+            fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+            ddp_kwargs=dict(kwargs),  # a copy: LightningCLI's signature reader gives up on `name=kwargs`
+        )
+        # Read here, not in a helper: LightningCLI's signature reader takes this default (True) as the setting's.
+        find_unused_parameters = kwargs.get("find_unused_parameters", True)
+        if self.data_parallel.sharded:
+            # FSDP2 reshards parameters in the forward pass; an asynchronous quorum would read them meanwhile.
+            use_async_quorum = False
+        else:
+            self._check_ddp_kwargs(find_unused_parameters, kwargs)
+        kwargs["find_unused_parameters"] = True  # (unused with FSDP, where no DDP wrapper exists)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -208,6 +242,22 @@ class FTStrategy(DDPStrategy):
         self._collectives: CrossGroupCollectives | None = None
         self._patches: list[tuple[object, str]] = []
         self._sigterm_deadline = SigtermDeadline()
+        self._device_mesh: DeviceMesh | None = None
+
+    @staticmethod
+    def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
+        # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after a group's first
+        # step, so bucket i holds the same parameters in every group; a restarted group's first step would otherwise
+        # allreduce a different layout against its peers. torchft's own DDP wrapper forces it for the same reason.
+        if find_unused_parameters is not True:
+            raise FTConfigError(
+                "find_unused_parameters=False is not supported by FTStrategy: DDP would rebuild its gradient buckets "
+                "after a group's first step, so a restarted group's buckets would not line up with its peers'. "
+                "Remove the setting."
+            )
+        for unsupported in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(unsupported) is not None:
+                raise FTConfigError(f"{unsupported}: FTStrategy installs its own cross-group comm hook; remove it.")
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -295,6 +345,10 @@ class FTStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer
         super().setup_environment()
+        if self.data_parallel.sharded:
+            # Before configure_model(), which may shard the model itself over `self.device_mesh`.
+            self._device_mesh = group_mesh(self.root_device)
+            self.lightning_module._device_mesh = self._device_mesh
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
         events.configure(self.settings.replica_group_id, self.global_rank)
@@ -333,7 +387,10 @@ class FTStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
+        if self.data_parallel.sharded:
+            self._setup_sharded(trainer)
+        else:
+            super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and not self.algorithm.semi_sync:
             # Semi-synchronous: LR schedulers follow inner steps, which always happen.
             self._gate_step_lr_schedulers(trainer)
@@ -344,6 +401,63 @@ class FTStrategy(DDPStrategy):
         if self._collectives is not None:
             self._keep_dataloader_checks_group_local(trainer)
             self._sync_metrics_across_groups()
+
+    def _setup_sharded(self, trainer: pl.Trainer) -> None:
+        """``DDPStrategy.setup`` with FSDP2 sharding in place of the DDP wrapper.
+
+        The model is sharded only when fitting (as DDP only wraps then), unless ``configure_model`` sharded it. A model
+        that is not sharded gets DDP's broadcast of rank 0's weights when not fitting; a sharded one must not (it
+        would copy rank 0's shards over the others').
+        """
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self._shard_model()
+            self.setup_optimizers(trainer)
+        elif not is_sharded(self.model):
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_model(self) -> None:
+        """Shard the LightningModule inside the group and average each reduced shard across groups (HSDP)."""
+        assert self.data_parallel.fsdp is not None and self._device_mesh is not None
+        module = self.lightning_module
+        shard_module(module, self._device_mesh, self.data_parallel.fsdp)
+        hook = fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.require_quorum)
+        for fsdp_module in fsdp_modules(module):
+            fsdp_module.set_all_reduce_hook(hook)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``."""
+        if self._device_mesh is None:
+            raise RuntimeError("FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment().")
+        return self._device_mesh
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches keep FSDP2's unsharded gradients local: no reduce-scatter, no cross-group
+        average, until the last micro-batch reduces their sum (DDP's ``no_sync`` for FSDP2)."""
+        if not self.data_parallel.sharded or self.model is None:
+            with super().block_backward_sync():
+                yield
+            return
+        modules = list(fsdp_modules(self.model))
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     @staticmethod
     def _name_checkpoints_alike_in_every_group(trainer: pl.Trainer) -> None:
@@ -512,6 +626,34 @@ class FTStrategy(DDPStrategy):
         if self.is_checkpoint_writer:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """With FSDP, the full (unsharded) model state, gathered for group rank 0 (see ``hsdp/checkpoint.py``)."""
+        if not self.data_parallel.sharded:
+            return super().lightning_module_state_dict()
+        return sharded_checkpoint.full_model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """With FSDP, the full optimizer state keyed by parameter name, gathered for group rank 0."""
+        if not self.data_parallel.sharded:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return sharded_checkpoint.full_optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.data_parallel.sharded:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        sharded_checkpoint.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.data_parallel.sharded:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            sharded_checkpoint.load_full_optimizer_state(self.lightning_module, optimizer, state)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
+from lightning_ft.hsdp.shards import holds_shards
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 
 
@@ -54,7 +55,8 @@ class QuorumCallback(Callback):
                     committed=protocol.last_step_committed,
                     participants=protocol.manager.num_participants(),
                 )
-            if protocol.last_step_committed and committed == 1 and trainer.world_size > 1:
+            if protocol.last_step_committed and committed == 1 and trainer.world_size > 1 and not holds_shards(trainer):
+                # (With FSDP each rank holds a different shard; rank r of every group healed from the same group.)
                 broadcast_state_in_group(trainer)
         protocol.close()
         align_step_counters(trainer, committed)

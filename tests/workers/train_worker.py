@@ -26,10 +26,13 @@ from lightning_ft import FTStrategy, events
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, lr: float = 0.01, manual: bool = False, sync_train_log: bool = False) -> None:
+    def __init__(
+        self, lr: float = 0.01, manual: bool = False, sync_train_log: bool = False, optimizer: str = "adamw"
+    ) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         self.lr = lr
+        self.optimizer_name = optimizer
         self.automatic_optimization = not manual
         self.sync_train_log = sync_train_log
         # torchmetrics with "sum" states (MSE) and "cat" states of uneven length per replica (Spearman)
@@ -68,7 +71,10 @@ class Regressor(pl.LightningModule):
         self.log(f"{stage}_spearman", spearman)
 
     def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if self.optimizer_name == "sgd":  # the numerics test: a step is lr × gradient, so gradient errors show
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -220,9 +226,25 @@ class SaveFinalState(pl.Callback):
         strategy = trainer.strategy
         assert isinstance(strategy, FTStrategy)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if strategy.data_parallel.sharded:
+            # The full (unsharded) state, gathered inside the group with torch's own helpers; group rank 0 writes it.
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model = get_model_state_dict(pl_module, options=options)
+            optimizers = [get_optimizer_state_dict(pl_module, opt, options=options) for opt in trainer.optimizers]
+            if trainer.global_rank != 0:
+                return
+        else:
+            model = pl_module.state_dict()
+            optimizers = [optimizer.state_dict() for optimizer in trainer.optimizers]
         state = {
-            "model": pl_module.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "model": model,
+            "optimizers": optimizers,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
             "global_step": trainer.global_step,
@@ -265,10 +287,16 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
     parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
     parser.add_argument("--fragment-sync-delay", type=int, default=None, help="FTStrategy(fragment_sync_delay=...)")
+    parser.add_argument("--data-parallel", default="ddp", help="FTStrategy(data_parallel=...): ddp or fsdp")
+    parser.add_argument("--fsdp-wrap", default=None, help="FTStrategy(fsdp_wrap=[...]), comma-separated")
+    parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=None, help="the same initial weights in every group")
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
-    torch.manual_seed(100 + group)  # different initial weights per group: init_sync must make them equal
+    # Different initial weights per group (init_sync must make them equal), unless the test needs them known.
+    torch.manual_seed(100 + group if args.seed is None else args.seed)
     torch.set_num_threads(1)
 
     callbacks: list[pl.Callback] = [SaveFinalState(args.out_dir), RecordMetrics()]
@@ -289,6 +317,10 @@ def main() -> None:
         algorithm["fragments"] = args.fragments
     if args.fragment_sync_delay is not None:
         algorithm["fragment_sync_delay"] = args.fragment_sync_delay
+    if args.data_parallel != "ddp":  # only passed when set, as above
+        algorithm["data_parallel"] = args.data_parallel
+        if args.fsdp_wrap:
+            algorithm["fsdp_wrap"] = args.fsdp_wrap.split(",")
     trainer = pl.Trainer(
         strategy=FTStrategy(
             **algorithm,
@@ -326,7 +358,9 @@ def main() -> None:
     else:
         loader = DataLoader(train_data, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
-    model = Regressor(manual=args.manual, sync_train_log=args.sync_train_log)
+    if args.seed is not None:  # the weights a test can rebuild: nothing above may draw from the generator first
+        torch.manual_seed(args.seed)
+    model = Regressor(lr=args.lr, manual=args.manual, sync_train_log=args.sync_train_log, optimizer=args.optimizer)
     trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
     if args.evaluate_after:
         trainer.validate(model, val_loader)
