@@ -7,6 +7,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ft.callbacks import (
     DataPositionCallback,
+    Failure,
+    FailureInjector,
     ManagerCheckpointCallback,
     QuorumCallback,
     StateTransferCallback,
@@ -22,6 +24,8 @@ __all__ = [
     "DataPositionCallback",
     "FTConfigError",
     "FTStrategy",
+    "Failure",
+    "FailureInjector",
     "ManagerCheckpointCallback",
     "QuorumCallback",
     "StateTransferCallback",

@@ -1,0 +1,115 @@
+"""Failures injected with FailureInjector into real multi-process jobs: NaN gradients on one replica, an exception
+in one replica's training loop, a kill inside the cross-group allreduce, and a hung (SIGSTOPped) replica."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from harness import LaunchedJob, assert_bit_identical
+from test_fault_tolerance import GATES, start_together
+
+from lightning_ft import Failure, FailureInjector, FTConfigError
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def inject(*failures: dict) -> str:
+    """The worker's ``--inject`` flag (braces doubled: the harness fills ``{root}`` into worker arguments)."""
+    return "--inject=" + json.dumps(list(failures)).replace("{", "{{").replace("}", "}}")
+
+
+def assert_identical_at(job: LaunchedJob, *, max_steps: int, committed: int, replicas: int = 2) -> None:
+    assert job.wait_exit() == 0, job.tail()
+    states = job.final_states()
+    assert len(states) == replicas, sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
+        assert state["manager_step"] == committed, f"{key}: manager step {state['manager_step']} != {committed}"
+        for name, tensor in state["model"].items():
+            assert torch.isfinite(tensor).all(), f"{key}: {name} is not finite"
+    assert_bit_identical(states)
+
+
+def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
+    """Group 0's gradients of step 10 are NaN. Averaged, they would write NaN into every replica's weights; instead
+    every group votes against committing that step, so no replica applies it, and training goes on with the next
+    batch. Every committed step is counted: global_step reaches max_steps, weights stay finite and identical."""
+    max_steps = 24
+    job = launch(
+        groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "nan", "group": 0, "step": 10}), *GATES]
+    )
+    start_together(job, groups=2, nproc=1)
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    rejected = job.events("step_rejected")
+    assert sorted((e["group"], e["step"]) for e in rejected) == [(0, 10), (1, 10)], rejected
+    for group in (0, 1):
+        uncommitted = [e["step"] for e in job.events("step", group=group, committed=False)]
+        assert uncommitted == [10], f"group {group}: uncommitted steps {uncommitted}"
+    assert [e["group"] for e in job.events("failure_injected")] == [0]
+
+
+def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
+    """Group 1 raises out of its training loop at step 8: torchrun restarts it, it heals from group 0, which never
+    stopped; no committed step is lost and the replicas end identical."""
+    max_steps = 40
+    job = launch(
+        groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "raise", "group": 1, "step": 8}), *GATES]
+    )
+    start_together(job, groups=2, nproc=1)
+    first = job.worker_pid(1, 0, job.attempt(1, 0))
+    job.wait_for("group 1 to restart", lambda: job.worker_pid(1, 0) != first and job.worker_pid(1, 0))
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    restarted = job.worker_pid(1, 0)
+    assert job.events("healed", group=1, pid=restarted), job.tail()
+    assert "InjectedFailure" in job.log_path.read_text(errors="replace")
+    assert len(job.events("started", group=0)) == 1, "group 0 must never restart"
+
+
+def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):
+    """Group 1 SIGKILLs itself inside step 8's gradient allreduce, with group 0 inside the same collective. Group 0's
+    step 8 fails and does not commit (a lost step, not a crash), its next steps commit; the restarted group heals."""
+    max_steps = 40
+    failure = {"kind": "kill", "group": 1, "step": 8, "at": "allreduce"}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    uncommitted = job.events("step", group=0, committed=False)
+    assert len(uncommitted) <= 1, f"the survivor lost more than one step: {uncommitted}"
+    assert len(job.events("started", group=0)) == 1, "the survivor must not crash"
+    assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
+
+
+def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
+    """Group 1 stops (SIGSTOP: every thread, heartbeats included) at step 8 for 6 seconds. The lighthouse drops it
+    after its heartbeat timeout and group 0 trains alone. When it continues (SIGCONT), it is behind: it rejoins at
+    the next quorum and heals, in the same process (no restart)."""
+    max_steps = 60
+    failure = {"kind": "hang", "group": 1, "step": 8, "seconds": 6}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    solo = [e for e in job.events("step", group=0, committed=True) if e["participants"] == 1]
+    assert solo, "group 0 never trained without the hung group"
+    assert len(job.events("started", group=1)) == 1, "the hung group must continue in the same process"
+    heals = job.events("healed", group=1)
+    assert heals and heals[-1]["step"] > 8, heals
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ({"kind": "explode", "step": 1}, "kind='explode'"),
+        ({"kind": "raise", "step": 1, "at": "allreduce"}, "only kill and hang"),
+        ({"kind": "kill", "step": -1}, "must be >= 0"),
+        ({"kind": "slow", "step": 1, "seconds": None}, "seconds"),
+        ({"kind": "hang", "step": 1, "seconds": math.inf}, "seconds=inf"),
+    ],
+)
+def test_invalid_failures_are_refused_with_the_field_named(failure, message):
+    with pytest.raises(FTConfigError, match=message):
+        FailureInjector([failure])
+    with pytest.raises(FTConfigError, match=message):
+        Failure(**failure)
