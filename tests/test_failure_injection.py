@@ -51,30 +51,53 @@ def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
     assert [e["group"] for e in job.events("failure_injected")] == [0]
 
 
+def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int) -> None:
+    """Group 1's first process failed on its own (injected). Let group 0 commit steps alone, then hold it between two
+    batches (heartbeating) until torchrun's restart of group 1 asks for its first quorum, so that group 0 cannot finish
+    the job before group 1 is back. The lighthouse holds group 1's request until group 0 asks too."""
+    failed_at = job.wait_for("the injected failure", lambda: job.events("failure_injected", pid=first_pid))[0]["time"]
+    job.wait_for(
+        "group 0 to commit 2 steps on its own",
+        lambda: (
+            len([e for e in job.events("step", group=0, committed=True, participants=1) if e["time"] > failed_at]) >= 2
+        ),
+    )
+    pause = job.root / "pause.group0"
+    pause.touch()
+    restarted = job.wait_for(
+        "torchrun to restart group 1",
+        lambda: (pid := job.worker_pid(1, 0)) != first_pid and pid,
+    )
+    job.wait_for("the restarted group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+
+
 def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
     """Group 1 raises out of its training loop at step 8: torchrun restarts it, it heals from group 0, which never
-    stopped; no committed step is lost and the replicas end identical."""
+    stopped and lost at most the step group 1 died in; no committed step is lost and the replicas end identical."""
     max_steps = 40
     job = launch(
         groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "raise", "group": 1, "step": 8}), *GATES]
     )
     start_together(job, groups=2, nproc=1)
-    first = job.worker_pid(1, 0, job.attempt(1, 0))
-    job.wait_for("group 1 to restart", lambda: job.worker_pid(1, 0) != first and job.worker_pid(1, 0))
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
-    restarted = job.worker_pid(1, 0)
-    assert job.events("healed", group=1, pid=restarted), job.tail()
+    assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
     assert "InjectedFailure" in job.log_path.read_text(errors="replace")
     assert len(job.events("started", group=0)) == 1, "group 0 must never restart"
+    # Group 1 raised after it had joined the step's quorum, so group 0's allreduce of that step fails: at most one.
+    assert len(job.events("step", group=0, committed=False)) <= 1, "group 0 lost more than one step"
 
 
 def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):
-    """Group 1 SIGKILLs itself inside step 8's gradient allreduce, with group 0 inside the same collective. Group 0's
-    step 8 fails and does not commit (a lost step, not a crash), its next steps commit; the restarted group heals."""
+    """Group 1 SIGKILLs itself inside step 9's gradient allreduce (at global_step 8), with group 0 inside the same
+    collective. Group 0's step fails and does not commit (one lost step, not a crash), its next steps commit; the
+    restarted group heals from it."""
     max_steps = 40
     failure = {"kind": "kill", "group": 1, "step": 8, "at": "allreduce"}
     job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
     start_together(job, groups=2, nproc=1)
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     uncommitted = job.events("step", group=0, committed=False)
     assert len(uncommitted) <= 1, f"the survivor lost more than one step: {uncommitted}"
@@ -83,19 +106,23 @@ def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_
 
 
 def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
-    """Group 1 stops (SIGSTOP: every thread, heartbeats included) at step 8 for 6 seconds. The lighthouse drops it
-    after its heartbeat timeout and group 0 trains alone. When it continues (SIGCONT), it is behind: it rejoins at
-    the next quorum and heals, in the same process (no restart)."""
+    """Group 1 stops (SIGSTOP: every thread, heartbeats included) at step 8 for 8 seconds, longer than the 3-second
+    collective timeout. Group 0's step times out and does not commit, the lighthouse drops group 1 (no heartbeats),
+    and group 0 trains alone (slowed down, so that it is still training when group 1 comes back). When group 1
+    continues (SIGCONT), its step fails, it rejoins at the next quorum and heals, in the same process."""
     max_steps = 60
-    failure = {"kind": "hang", "group": 1, "step": 8, "seconds": 6}
-    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
+    hang = {"kind": "hang", "group": 1, "step": 8, "seconds": 8}
+    slow = {"kind": "slow", "group": 0, "step": 8, "seconds": 0.4, "steps": 40}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--timeout=3", inject(hang, slow), *GATES])
     start_together(job, groups=2, nproc=1)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     solo = [e for e in job.events("step", group=0, committed=True) if e["participants"] == 1]
     assert solo, "group 0 never trained without the hung group"
     assert len(job.events("started", group=1)) == 1, "the hung group must continue in the same process"
-    heals = job.events("healed", group=1)
-    assert heals and heals[-1]["step"] > 8, heals
+    heals = [e for e in job.events("healed", group=1) if e["step"] > 8]
+    assert heals, f"group 1 did not heal after it resumed\n{job.tail()}"
+    together_again = [e for e in job.events("step", group=0, committed=True) if e["step"] > heals[0]["step"]]
+    assert together_again and together_again[-1]["participants"] == 2, together_again
 
 
 @pytest.mark.parametrize(

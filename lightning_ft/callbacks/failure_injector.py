@@ -62,8 +62,9 @@ class Failure:
         step: ``trainer.global_step`` at which it fires.
         group: Replica group id; ``None`` for every group.
         rank: Rank inside the group.
-        at: ``"batch_start"`` (before the batch's quorum) or ``"allreduce"`` (``kill``/``hang`` only: inside the
-            step's first cross-group allreduce, so that the peers are left waiting in the same collective).
+        at: ``"batch_start"`` (at the start of the batch, after the FT callbacks opened the step's quorum) or
+            ``"allreduce"`` (``kill``/``hang`` only: inside the step's first cross-group allreduce, so that the peers
+            are left waiting in the same collective).
         seconds: ``hang``: how long the process stays stopped (``None``: until someone sends SIGCONT).
             ``slow``: the delay before each batch.
         steps: ``slow`` only: how many consecutive steps are slowed down.

@@ -265,6 +265,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ddp", help="FTStrategy(algorithm=...): ddp, local_sgd, diloco")
     parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
     parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
+    parser.add_argument("--timeout", type=float, default=30, help="FTStrategy(timeout=...) for collectives")
     parser.add_argument("--inject", default=None, help="FailureInjector failures, as JSON: a list of Failure dicts")
     parser.add_argument("--fragment-sync-delay", type=int, default=None, help="FTStrategy(fragment_sync_delay=...)")
     args = parser.parse_args()
@@ -298,7 +299,7 @@ def main() -> None:
             **algorithm,
             use_async_quorum=bool(args.async_quorum),
             checkpoint_transport=args.transport,
-            timeout=30,
+            timeout=args.timeout,
             quorum_timeout=60,
             connect_timeout=30,
         ),
