@@ -44,12 +44,14 @@ class ChaosSchedule:
 
 
 def _parent_pid(pid: int) -> int | None:
+    """The parent of a live process; ``None`` once it has exited (a zombie counts as exited)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # The command name (field 2) is in parentheses and may contain spaces; the parent PID follows it.
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    # The command name (field 2) is in parentheses and may contain spaces; state and parent PID follow it.
+    state, parent = stat.rsplit(")", 1)[1].split()[:2]
+    return None if state == "Z" else int(parent)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class ChaosMonkey:
     agent_pids: dict[int, int]
     report: Callable[[str], None]
     kills: list[tuple[int, float]] = field(default_factory=list)
+    _killed_pids: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -96,7 +99,10 @@ class ChaosMonkey:
         up = []
         for group, ranks in self._workers().items():
             if ranks and all(
-                r["pid"] in committed_pids and _parent_pid(r["pid"]) == self.agent_pids[group] for r in ranks.values()
+                r["pid"] in committed_pids
+                and r["pid"] not in self._killed_pids
+                and _parent_pid(r["pid"]) == self.agent_pids[group]
+                for r in ranks.values()
             ):
                 up.append(group)
         return sorted(up)
@@ -135,6 +141,7 @@ class ChaosMonkey:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
+                self._killed_pids.add(pid)
             except ProcessLookupError:
                 pass
         if killed:

@@ -57,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--finish-grace",
         type=float,
-        default=60.0,
-        help="once a group has finished successfully, stop the others after this many seconds (default: %(default)s)",
+        default=30.0,
+        help="once a group has finished successfully, stop the others after this many seconds; a group restarted "
+        "after its peers finished would otherwise train alone from scratch (default: %(default)s)",
     )
     chaos = parser.add_argument_group("failure rehearsal (SIGKILL a random replica group, never all at once)")
     chaos.add_argument("--chaos-every", type=float, default=None, metavar="SECONDS", help="kill every SECONDS")
