@@ -11,6 +11,7 @@ from lightning_ft.callbacks import (
     FailureInjector,
     ManagerCheckpointCallback,
     QuorumCallback,
+    ReplicaConsistencyCheck,
     StateTransferCallback,
 )
 from lightning_ft.settings import FTConfigError
@@ -28,6 +29,7 @@ __all__ = [
     "FailureInjector",
     "ManagerCheckpointCallback",
     "QuorumCallback",
+    "ReplicaConsistencyCheck",
     "StateTransferCallback",
     "__version__",
 ]

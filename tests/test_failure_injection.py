@@ -140,3 +140,55 @@ def test_invalid_failures_are_refused_with_the_field_named(failure, message):
         FailureInjector([failure])
     with pytest.raises(FTConfigError, match=message):
         Failure(**failure)
+
+
+def test_fingerprints_are_exact_and_see_one_changed_bit():
+    from lightning_ft.callbacks.consistency import parameter_fingerprint
+
+    params = [torch.randn(7, 3), torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.bfloat16)]
+    same = [p.clone() for p in params]
+    assert parameter_fingerprint(params) == parameter_fingerprint(same)
+    flipped = [p.clone() for p in params]
+    flipped[0].view(torch.int32).view(-1)[4] ^= 1  # one bit of one float
+    assert parameter_fingerprint(flipped) != parameter_fingerprint(params)
+
+
+def test_the_diverged_group_is_the_one_outside_the_majority():
+    from lightning_ft.callbacks.consistency import _diverged_groups
+
+    ok, bad = (10, 20), (11, 20)
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (2, 0, *bad)]) == ({2}, set())
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (0, 1, *ok), (1, 1, *bad), (2, 1, *ok)]) == ({1}, set())
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *bad)]) == (set(), {0, 1})  # two groups: nobody can tell
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok)]) == (set(), set())
+
+
+@pytest.mark.timeout(420)
+def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
+    """Group 2's weights change silently at step 12 (simulated silent data corruption): no error anywhere. The
+    consistency check at step 15 names group 2; group 2 stops, torchrun restarts it and it heals from the majority.
+    At the end all three replicas are bit-identical again."""
+    max_steps = 60
+    job = launch(
+        groups=3,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--consistency-every=5",
+            inject({"kind": "corrupt", "group": 2, "step": 12}),
+            *GATES,
+        ],
+    )
+    start_together(job, groups=3, nproc=1)
+    first = job.worker_pid(2, 0, 0)
+    job.wait_for("the check to name group 2", lambda: job.events("replica_diverged", group=0))
+    pause = job.root / "pause.group0"
+    pause.touch()  # group 1 then waits in its quorum for group 0, so neither finishes before group 2 is back
+    restarted = job.wait_for("torchrun to restart group 2", lambda: (pid := job.worker_pid(2, 0)) != first and pid)
+    job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
+    reports = job.events("replica_diverged")
+    assert {e["group"] for e in reports} >= {0, 1}, reports
+    assert all(e["groups"] == [2] and e["step"] == 15 and e["majority"] for e in reports), reports
+    assert "ReplicaDivergedError" in job.log_path.read_text(errors="replace")
+    assert job.events("healed", group=2, pid=restarted), job.tail()

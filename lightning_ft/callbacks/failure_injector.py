@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_ft import events
 from lightning_ft.settings import ENV_REPLICA_GROUP_ID, FTConfigError
 
-FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan")
+FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
 FAILURE_MOMENTS = ("batch_start", "allreduce")
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -57,8 +57,9 @@ class Failure:
         kind: ``"kill"`` (SIGKILL itself), ``"raise"`` (:class:`InjectedFailure` out of the training loop),
             ``"hang"`` (SIGSTOP itself: every thread stops, heartbeats included, as in a machine that stops
             responding; it continues after ``seconds``, or never if ``seconds`` is ``None``), ``"slow"`` (sleep
-            ``seconds`` before each of ``steps`` batches: a straggler) or ``"nan"`` (this replica's gradients of that
-            step are NaN before they are averaged across groups).
+            ``seconds`` before each of ``steps`` batches: a straggler), ``"nan"`` (this replica's gradients of that
+            step are NaN before they are averaged across groups) or ``"corrupt"`` (one weight of this replica
+            changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``).
         step: ``trainer.global_step`` at which it fires.
         group: Replica group id; ``None`` for every group.
         rank: Rank inside the group.
@@ -179,6 +180,10 @@ class FailureInjector(Callback):
         elif failure.kind == "slow":
             assert failure.seconds is not None
             time.sleep(failure.seconds)
+        elif failure.kind == "corrupt":
+            with torch.no_grad():
+                first = next(p for p in pl_module.parameters() if p.numel())
+                first.view(-1)[0] += 1e-3
         elif failure.kind == "nan":
             self._nan_hooks = [
                 p.register_hook(lambda grad: torch.full_like(grad, float("nan")))

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
-from lightning_ft import FailureInjector, FTStrategy, events
+from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck, events
 
 
 class Regressor(pl.LightningModule):
@@ -265,6 +265,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ddp", help="FTStrategy(algorithm=...): ddp, local_sgd, diloco")
     parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
     parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
+    parser.add_argument("--consistency-every", type=int, default=None, help="ReplicaConsistencyCheck every N steps")
     parser.add_argument("--timeout", type=float, default=30, help="FTStrategy(timeout=...) for collectives")
     parser.add_argument("--inject", default=None, help="FailureInjector failures, as JSON: a list of Failure dicts")
     parser.add_argument("--fragment-sync-delay", type=int, default=None, help="FTStrategy(fragment_sync_delay=...)")
@@ -280,6 +281,8 @@ def main() -> None:
     if args.monitor_dir is not None:
         callbacks.append(EarlyStopping(monitor="val_loss", mode="max", patience=0))
         callbacks.append(ModelCheckpoint(dirpath=args.monitor_dir, monitor="val_loss", save_top_k=1))
+    if args.consistency_every is not None:
+        callbacks.append(ReplicaConsistencyCheck(every_n_steps=args.consistency_every))
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.index_data is not None:
