@@ -7,8 +7,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ft.callbacks import (
     DataPositionCallback,
+    Failure,
+    FailureInjector,
     ManagerCheckpointCallback,
     QuorumCallback,
+    ReplicaConsistencyCheck,
     StateTransferCallback,
 )
 from lightning_ft.settings import FTConfigError
@@ -22,8 +25,11 @@ __all__ = [
     "DataPositionCallback",
     "FTConfigError",
     "FTStrategy",
+    "Failure",
+    "FailureInjector",
     "ManagerCheckpointCallback",
     "QuorumCallback",
+    "ReplicaConsistencyCheck",
     "StateTransferCallback",
     "__version__",
 ]

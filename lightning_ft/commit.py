@@ -16,11 +16,18 @@ steps the real optimizer when the vote says the step is committed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
+
+from lightning_ft import events
+
+log = logging.getLogger(__name__)
 
 
 class QuorumNotStartedError(RuntimeError):
@@ -37,6 +44,7 @@ class StepProtocol:
         self.last_step_committed: bool | None = None
         self.quorums_opened = 0
         self.sync_in_flight = False
+        self.non_finite_skips = 0
 
     @property
     def quorum_open(self) -> bool:
@@ -94,6 +102,15 @@ class StepProtocol:
         self.last_step_committed = self._decision
         return self._decision
 
+    def reject(self, reason: Exception) -> None:
+        """Make this group vote against committing the open step, for a reason every replica shares (an averaged
+        gradient that is not finite): every group then skips the step alike. Counted and logged."""
+        self.require_quorum()
+        self.non_finite_skips += 1
+        self.manager.report_error(reason)
+        events.emit("step_rejected", step=self.manager.current_step(), reason=str(reason))
+        log.warning("%s", reason)
+
     def record_commit(self, decision: bool) -> None:
         """Record a vote that torchft took itself (a DiLoCo fragment's ``perform_sync`` calls ``should_commit``)."""
         self.require_quorum()
@@ -116,6 +133,34 @@ class StepProtocol:
         self.sync_in_flight = False
 
 
+class NonFiniteGradientError(RuntimeError):
+    """The averaged gradient of a step has an inf or NaN: the step is skipped by every replica."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(
+            f"lightning-ft: the averaged gradient of step {step} is not finite (inf or NaN); every replica skips it. "
+            f"Set FTStrategy(skip_non_finite_steps=False) to step anyway."
+        )
+
+
+def gradients_are_finite(optimizer: Optimizer) -> bool:
+    """Whether every gradient the optimizer would apply is finite. One device sync for all of them.
+
+    Sharded (DTensor) gradients are checked shard by shard: each rank votes on its own shard, and the group's commit
+    vote needs every rank's yes.
+    """
+    checks = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                grad = grad.to_local()
+            checks.append(torch.isfinite(grad).all())
+    return not checks or bool(torch.stack(checks).all())
+
+
 class CommitGatedOptimizer:
     """An optimizer view whose ``step`` runs the closure and then steps only if the step commits.
 
@@ -125,12 +170,15 @@ class CommitGatedOptimizer:
     to average.
     """
 
-    def __init__(self, optimizer: Optimizer, protocol: StepProtocol) -> None:
+    def __init__(self, optimizer: Optimizer, protocol: StepProtocol, skip_non_finite: bool = True) -> None:
         self._optimizer = optimizer
         self._protocol = protocol
+        self._skip_non_finite = skip_non_finite
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
+        if self._skip_non_finite and not self._protocol.decided and not gradients_are_finite(self._optimizer):
+            self._protocol.reject(NonFiniteGradientError(self._protocol.manager.current_step()))
         if self._protocol.commit():
             self._optimizer.step(**kwargs)
         return loss

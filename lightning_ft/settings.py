@@ -65,6 +65,7 @@ class FTSettings:
     checkpoint_transport: TransportName
     hostname: str
     replica_id_prefix: str
+    skip_non_finite_steps: bool = True
 
     @property
     def replica_id(self) -> str:
@@ -97,6 +98,7 @@ def resolve_settings(
     checkpoint_transport: str,
     hostname: str | None,
     replica_id_prefix: str,
+    skip_non_finite_steps: bool = True,
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -147,4 +149,5 @@ def resolve_settings(
         checkpoint_transport=checkpoint_transport,  # type: ignore[arg-type]
         hostname=hostname or socket.gethostname(),
         replica_id_prefix=replica_id_prefix,
+        skip_non_finite_steps=bool(skip_non_finite_steps),
     )

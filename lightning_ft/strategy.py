@@ -116,6 +116,9 @@ class FTStrategy(DDPStrategy):
             process group).
         hostname: Address this group advertises to other groups for healing and its store. Default: the hostname.
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
+        skip_non_finite_steps: When a step's averaged gradient has an inf or NaN, every replica skips the step (it does
+            not commit; the batch is not retried) instead of writing NaN into every replica's weights. Counted and
+            logged. One bad batch on one replica poisons the average, so without this every replica would diverge.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
             ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
             inner steps). See ``docs/semi-sync.md``.
@@ -162,6 +165,7 @@ class FTStrategy(DDPStrategy):
         checkpoint_transport: str = "http",
         hostname: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
+        skip_non_finite_steps: bool = True,
         algorithm: str = "ddp",
         sync_every: int | None = None,
         outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
@@ -236,6 +240,7 @@ class FTStrategy(DDPStrategy):
             checkpoint_transport=checkpoint_transport,
             hostname=hostname,
             replica_id_prefix=replica_id_prefix,
+            skip_non_finite_steps=skip_non_finite_steps,
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
@@ -606,7 +611,7 @@ class FTStrategy(DDPStrategy):
         if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         protocol = self.step_protocol
-        gated = CommitGatedOptimizer(optimizer, protocol)
+        gated = CommitGatedOptimizer(optimizer, protocol, skip_non_finite=self.settings.skip_non_finite_steps)
         output = self.precision_plugin.optimizer_step(
             gated,  # type: ignore[arg-type]
             model=model or self.lightning_module,

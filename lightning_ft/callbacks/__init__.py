@@ -5,20 +5,31 @@
   inner steps.
 * :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
 * :class:`ManagerCheckpointCallback` stores the Manager's committed-step state in Lightning checkpoints.
+* :class:`ReplicaConsistencyCheck` (never added by the strategy) compares the replicas' parameter fingerprints every
+  N committed steps and makes a diverged group heal.
+* :class:`FailureInjector` (never added by the strategy) rehearses failures: kill, raise, hang, slow down or NaN
+  gradients on one replica at a chosen step.
 * :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
   resume.
 """
 
 from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
+from lightning_ft.callbacks.consistency import ReplicaConsistencyCheck, ReplicaDivergedError
 from lightning_ft.callbacks.data_position import DataPositionCallback
+from lightning_ft.callbacks.failure_injector import Failure, FailureInjector, InjectedFailure
 from lightning_ft.callbacks.quorum import QuorumCallback
 from lightning_ft.callbacks.sync import SyncCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
 
 __all__ = [
     "DataPositionCallback",
+    "Failure",
+    "FailureInjector",
+    "InjectedFailure",
     "ManagerCheckpointCallback",
     "QuorumCallback",
+    "ReplicaConsistencyCheck",
+    "ReplicaDivergedError",
     "StateTransferCallback",
     "SyncCallback",
 ]

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import IO
 
+from lightning_ft.cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft.events import ENV_EVENTS_DIR
 from lightning_ft.lighthouse import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
 from lightning_ft.settings import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
@@ -51,6 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="embedded lighthouse: wait this long for heartbeating groups to join a new quorum (default: %(default)s)",
     )
     parser.add_argument("--events-dir", default=None, help=f"write the JSONL event log here (sets {ENV_EVENTS_DIR})")
+    parser.add_argument(
+        "--finish-grace",
+        type=float,
+        default=30.0,
+        help="once a group has finished successfully, stop the others after this many seconds; a group restarted "
+        "after its peers finished would otherwise train alone from scratch (default: %(default)s)",
+    )
+    chaos = parser.add_argument_group("failure rehearsal (SIGKILL a random replica group, never all at once)")
+    chaos.add_argument("--chaos-every", type=float, default=None, metavar="SECONDS", help="kill every SECONDS")
+    chaos.add_argument(
+        "--chaos-at-steps",
+        type=lambda text: tuple(int(step) for step in text.split(",")),
+        default=(),
+        metavar="S1,S2,...",
+        help="kill when the job has committed each of these steps",
+    )
+    chaos.add_argument("--chaos-count", type=int, default=None, help="how many kills (default: 1, or one per step)")
+    chaos.add_argument("--chaos-seed", type=int, default=None, help="seed of the choice of group")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command, e.g. -- python train.py")
 
 
@@ -124,6 +145,25 @@ def _stop_groups(groups: list[ReplicaGroup]) -> None:
             group.process.wait()
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def chaos_schedule(args: argparse.Namespace) -> ChaosSchedule | None:
+    if args.chaos_every is None and not args.chaos_at_steps:
+        if args.chaos_count is not None:
+            raise ValueError("--chaos-count needs --chaos-every or --chaos-at-steps")
+        return None
+    count = args.chaos_count if args.chaos_count is not None else max(1, len(args.chaos_at_steps))
+    if args.chaos_at_steps and count > len(args.chaos_at_steps):
+        raise ValueError(f"--chaos-count={count} exceeds the {len(args.chaos_at_steps)} steps of --chaos-at-steps")
+    if args.replica_groups < 2:
+        raise ValueError("--chaos-* needs --replica-groups of at least 2: it never kills the last group that is up")
+    return ChaosSchedule(
+        count=count, every_seconds=args.chaos_every, at_steps=args.chaos_at_steps, seed=args.chaos_seed
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -145,6 +185,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    try:
+        schedule = chaos_schedule(args)
+    except ValueError as error:
+        print(f"lightning-ft launch: {error}", file=sys.stderr)
+        return 2
+    events_dir = args.events_dir
+    scratch_events = None
+    if schedule is not None and events_dir is None:  # the chaos monkey reads the event log
+        events_dir = scratch_events = tempfile.mkdtemp(prefix="lightning-ft-events-")
+
     lighthouse = None
     url = args.lighthouse
     if url is None:
@@ -162,13 +212,16 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
 
     lock = threading.Lock()
+    monkey: ChaosMonkey | None = None
+    finished_at: float | None = None  # when the first group finished successfully
+    stopped_late: set[int] = set()  # groups still running finish_grace after that, stopped on purpose
     groups: list[ReplicaGroup] = []
     relays: list[threading.Thread] = []
     try:
         for group_id in range(args.replica_groups):
             process = subprocess.Popen(
                 torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
-                env=group_environment(group_id, args.replica_groups, url, args.events_dir),
+                env=group_environment(group_id, args.replica_groups, url, events_dir),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -178,19 +231,37 @@ def run(args: argparse.Namespace) -> int:
             relay.start()
             relays.append(relay)
 
+        if schedule is not None:
+            assert events_dir is not None
+            monkey = ChaosMonkey(schedule, events_dir, {g.group_id: g.process.pid for g in groups}, _say)
+            monkey.start()
         while not stop.is_set() and any(group.process.poll() is None for group in groups):
+            if finished_at is None and any(group.process.returncode == 0 for group in groups):
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > args.finish_grace:
+                late = [g.group_id for g in groups if g.process.poll() is None]
+                stopped_late.update(late)
+                _say(
+                    f"lightning-ft launch: a group finished {args.finish_grace:.0f}s ago; stopping groups {late}, "
+                    f"which are still running (a group restarted after its peers finished would train alone)"
+                )
+                break
             stop.wait(0.2)
     finally:
+        if monkey is not None:
+            monkey.stop()
         _stop_groups(groups)
         for relay in relays:
             relay.join(timeout=5)
         if lighthouse is not None:
             lighthouse.shutdown()
+        if scratch_events is not None:
+            shutil.rmtree(scratch_events, ignore_errors=True)
 
     if stop.is_set():
         print("lightning-ft launch: stopped on request; every group was shut down", flush=True)
         return 130
-    failed = [group for group in groups if group.process.returncode != 0]
+    failed = [group for group in groups if group.process.returncode != 0 and group.group_id not in stopped_late]
     for group in failed:
         print(
             f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "

@@ -7,6 +7,7 @@ replicas at the end prove that healing and ``init_sync`` did their job rather th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
-from lightning_ft import FTStrategy, events
+from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck, events
 
 
 class Regressor(pl.LightningModule):
@@ -286,6 +287,9 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ddp", help="FTStrategy(algorithm=...): ddp, local_sgd, diloco")
     parser.add_argument("--sync-every", type=int, default=None, help="FTStrategy(sync_every=...)")
     parser.add_argument("--fragments", type=int, default=None, help="FTStrategy(fragments=...) for diloco")
+    parser.add_argument("--consistency-every", type=int, default=None, help="ReplicaConsistencyCheck every N steps")
+    parser.add_argument("--timeout", type=float, default=30, help="FTStrategy(timeout=...) for collectives")
+    parser.add_argument("--inject", default=None, help="FailureInjector failures, as JSON: a list of Failure dicts")
     parser.add_argument("--fragment-sync-delay", type=int, default=None, help="FTStrategy(fragment_sync_delay=...)")
     parser.add_argument("--data-parallel", default="ddp", help="FTStrategy(data_parallel=...): ddp or fsdp")
     parser.add_argument("--fsdp-wrap", default=None, help="FTStrategy(fsdp_wrap=[...]), comma-separated")
@@ -305,6 +309,10 @@ def main() -> None:
     if args.monitor_dir is not None:
         callbacks.append(EarlyStopping(monitor="val_loss", mode="max", patience=0))
         callbacks.append(ModelCheckpoint(dirpath=args.monitor_dir, monitor="val_loss", save_top_k=1))
+    if args.consistency_every is not None:
+        callbacks.append(ReplicaConsistencyCheck(every_n_steps=args.consistency_every))
+    if args.inject is not None:
+        callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.index_data is not None:
         callbacks.append(RecordBatches())
     if args.ckpt_dir is not None:
@@ -326,7 +334,7 @@ def main() -> None:
             **algorithm,
             use_async_quorum=bool(args.async_quorum),
             checkpoint_transport=args.transport,
-            timeout=30,
+            timeout=args.timeout,
             quorum_timeout=60,
             connect_timeout=30,
         ),

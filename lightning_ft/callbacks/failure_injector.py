@@ -1,0 +1,205 @@
+"""Rehearse failures on your own job: one replica is killed, raises, hangs, slows down or produces NaN gradients at a
+chosen step.
+
+Fault tolerance that is never exercised is fault tolerance nobody knows works. This callback makes a failure happen
+exactly where the user asks, inside the real training loop, so that a job can be rehearsed before machines really
+die. It only ever acts on the process it runs in; what happens next (torchrun restarting the group, the survivors
+carrying on, the heal) is the real thing.
+
+A failure fires once, in the first life of the process (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), unless
+``every_attempt=True``: a group that restarts and heals past the step would otherwise never reach it again, and
+one that resumes before it would fail forever.
+
+Example (LightningCLI YAML)::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_ft.FailureInjector
+          init_args:
+            failures:
+              - {kind: kill, group: 1, step: 20}
+              - {kind: nan, group: 0, step: 35}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.settings import ENV_REPLICA_GROUP_ID, FTConfigError
+
+FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
+FAILURE_MOMENTS = ("batch_start", "allreduce")
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+class InjectedFailure(RuntimeError):
+    """The exception that ``kind="raise"`` raises, so that it is easy to tell apart from a real one."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure of one process.
+
+    Args:
+        kind: ``"kill"`` (SIGKILL itself), ``"raise"`` (:class:`InjectedFailure` out of the training loop),
+            ``"hang"`` (SIGSTOP itself: every thread stops, heartbeats included, as in a machine that stops
+            responding; it continues after ``seconds``, or never if ``seconds`` is ``None``), ``"slow"`` (sleep
+            ``seconds`` before each of ``steps`` batches: a straggler), ``"nan"`` (this replica's gradients of that
+            step are NaN before they are averaged across groups) or ``"corrupt"`` (one weight of this replica
+            changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``).
+        step: ``trainer.global_step`` at which it fires.
+        group: Replica group id; ``None`` for every group.
+        rank: Rank inside the group.
+        at: ``"batch_start"`` (at the start of the batch, after the FT callbacks opened the step's quorum) or
+            ``"allreduce"`` (``kill``/``hang`` only: inside the step's first cross-group allreduce, so that the peers
+            are left waiting in the same collective).
+        seconds: ``hang``: how long the process stays stopped (``None``: until someone sends SIGCONT).
+            ``slow``: the delay before each batch.
+        steps: ``slow`` only: how many consecutive steps are slowed down.
+    """
+
+    kind: str
+    step: int
+    group: int | None = 0
+    rank: int = 0
+    at: str = "batch_start"
+    seconds: float | None = 5.0
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAILURE_KINDS:
+            raise FTConfigError(f"Failure(kind={self.kind!r}): must be one of {', '.join(FAILURE_KINDS)}.")
+        if self.at not in FAILURE_MOMENTS:
+            raise FTConfigError(f"Failure(at={self.at!r}): must be one of {', '.join(FAILURE_MOMENTS)}.")
+        if self.at == "allreduce" and self.kind not in ("kill", "hang"):
+            raise FTConfigError(f"Failure(kind={self.kind!r}, at='allreduce'): only kill and hang can fire there.")
+        if self.step < 0 or self.rank < 0 or (self.group is not None and self.group < 0):
+            raise FTConfigError(f"Failure {self}: step, group and rank must be >= 0.")
+        if self.steps < 1:
+            raise FTConfigError(f"Failure(steps={self.steps}): must be >= 1.")
+        if self.seconds is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise FTConfigError(f"Failure(seconds={self.seconds}): must be a positive number of seconds.")
+        if self.kind == "slow" and self.seconds is None:
+            raise FTConfigError("Failure(kind='slow'): seconds (the delay per batch) is required.")
+
+
+class FailureInjector(Callback):
+    """Fires each :class:`Failure` meant for this process (its group and group rank) at its step.
+
+    Args:
+        failures: The failures, as :class:`Failure` objects or dicts of its fields (YAML).
+        every_attempt: Fire in every life of the process, not only the first.
+    """
+
+    def __init__(self, failures: list[Failure] | list[dict[str, Any]], every_attempt: bool = False) -> None:
+        self.failures = [f if isinstance(f, Failure) else Failure(**f) for f in failures]
+        self.every_attempt = every_attempt
+        self._mine: list[Failure] = []
+        self._fired: set[int] = set()
+        self._nan_hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        settings = getattr(trainer.strategy, "settings", None)
+        group = settings.replica_group_id if settings is not None else int(os.environ.get(ENV_REPLICA_GROUP_ID, 0))
+        first_life = int(os.environ.get(ENV_RESTART_COUNT, "0")) == 0
+        self._mine = [
+            f
+            for f in self.failures
+            if (f.group is None or f.group == group)
+            and f.rank == trainer.global_rank
+            and (first_life or self.every_attempt)
+        ]
+        if any(f.at == "allreduce" for f in self._mine):
+            self._wrap_allreduce(trainer)
+
+    def _due(self, trainer: pl.Trainer, at: str) -> list[Failure]:
+        due = []
+        for index, failure in enumerate(self._mine):
+            if failure.at != at or index in self._fired:
+                continue
+            if failure.step <= trainer.global_step < failure.step + (failure.steps if failure.kind == "slow" else 1):
+                due.append(failure)
+                if failure.kind != "slow" or trainer.global_step == failure.step + failure.steps - 1:
+                    self._fired.add(index)
+        return due
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        for failure in self._due(trainer, "batch_start"):
+            self._fire(failure, trainer, pl_module)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._nan_hooks:
+            handle.remove()
+        self._nan_hooks.clear()
+
+    def _wrap_allreduce(self, trainer: pl.Trainer) -> None:
+        manager = trainer.strategy.manager  # type: ignore[attr-defined]
+        allreduce = manager.allreduce
+
+        def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:
+            for failure in self._due(trainer, "allreduce"):
+                self._fire(failure, trainer, trainer.lightning_module)
+            return allreduce(*args, **kwargs)
+
+        manager.allreduce = allreduce_with_failures
+
+    def _fire(self, failure: Failure, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        events.emit("failure_injected", kind=failure.kind, at=failure.at, global_step=trainer.global_step)
+        print(
+            f"lightning-ft FailureInjector: {failure.kind} at {failure.at} of step {trainer.global_step} "
+            f"(pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if failure.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif failure.kind == "raise":
+            raise InjectedFailure(f"lightning-ft FailureInjector: injected exception at step {trainer.global_step}")
+        elif failure.kind == "hang":
+            _stop_self(failure.seconds)
+        elif failure.kind == "slow":
+            assert failure.seconds is not None
+            time.sleep(failure.seconds)
+        elif failure.kind == "corrupt":
+            with torch.no_grad():
+                first = next(p for p in pl_module.parameters() if p.numel())
+                first.view(-1)[0] += 1e-3
+        elif failure.kind == "nan":
+            self._nan_hooks = [
+                p.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+                for p in pl_module.parameters()
+                if p.requires_grad
+            ]
+
+
+def _stop_self(seconds: float | None) -> None:
+    """SIGSTOP this process; a detached ``sleep`` sends SIGCONT after ``seconds`` (a stopped process cannot)."""
+    if seconds is not None:
+        subprocess.Popen(
+            ["/bin/sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -1,0 +1,109 @@
+"""``lightning-ft launch --chaos-*``: random replica groups SIGKILLed on a schedule, never all at once; the job still
+ends with every replica at max_steps committed steps and bit-identical."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+from harness import REPO, LaunchedJob, assert_bit_identical
+from test_fault_tolerance import GATES, start_together
+
+from lightning_ft.cli.chaos import ChaosSchedule
+from lightning_ft.cli.launch import add_arguments, chaos_schedule, run
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*argv, "--", "python", "train.py"])
+
+
+def test_no_chaos_without_a_schedule():
+    assert chaos_schedule(parse("--replica-groups=2")) is None
+
+
+def test_a_schedule_at_steps_kills_once_per_step_by_default():
+    schedule = chaos_schedule(parse("--replica-groups=3", "--chaos-at-steps=10,30", "--chaos-seed=4"))
+    assert schedule == ChaosSchedule(count=2, at_steps=(10, 30), seed=4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replica-groups=2", "--chaos-count=2"], "needs --chaos-every or --chaos-at-steps"),
+        (["--replica-groups=1", "--chaos-every=5"], "at least 2"),
+        (["--replica-groups=2", "--chaos-at-steps=10,5"], "increasing"),
+        (["--replica-groups=2", "--chaos-at-steps=10", "--chaos-count=2"], "exceeds"),
+        (["--replica-groups=2", "--chaos-every=0"], "positive"),
+        (["--replica-groups=2", "--chaos-every=5", "--chaos-at-steps=3"], "exactly one"),
+    ],
+)
+def test_bad_chaos_settings_are_refused_before_anything_starts(argv, message, capsys):
+    assert run(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_line_refuses_them_too():
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ft.cli.main", "launch", "--replica-groups=1", "--chaos-every=5", "--", "ls"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "at least 2" in result.stderr, result
+
+
+def chaos_kills(job: LaunchedJob) -> list[int]:
+    return [int(g) for g in re.findall(r"chaos: SIGKILL replica group (\d+)", job.log_path.read_text(errors="replace"))]
+
+
+def assert_survived(job: LaunchedJob, *, max_steps: int, kills: int, timeout: float) -> None:
+    assert job.wait_exit(timeout=timeout) == 0, job.tail()
+    assert len(chaos_kills(job)) == kills, job.tail()
+    states = job.final_states()
+    assert sorted(states) == [(0, 0), (1, 0), (2, 0)], f"{sorted(states)}\n{job.tail()}"
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
+        assert state["manager_step"] == max_steps, f"{key}: manager step {state['manager_step']} != {max_steps}"
+    assert_bit_identical(states)
+    for group in set(chaos_kills(job)):
+        restarted = job.worker_pid(group, 0)
+        assert job.events("healed", group=group, pid=restarted), f"group {group} did not heal after its restart"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_chaos_at_steps_kills_groups_and_the_job_still_finishes_identical(launch):
+    """3 groups; the launcher kills a random group that is up at committed steps 30 and 80 (a victim counts as up
+    again once its restarted workers have committed a step). Long enough for both victims to be restarted by
+    torchrun and heal before the job ends, even on a loaded machine."""
+    max_steps = 4000  # restarts take 5 s here, 30 s when the machine is loaded; the others must still be training
+    job = launch(
+        groups=3,
+        max_restarts=3,
+        worker_args=[f"--max-steps={max_steps}", *GATES],
+        launcher_args=["--chaos-at-steps=30,80", "--chaos-seed=0"],
+    )
+    start_together(job, groups=3, nproc=1)
+    assert_survived(job, max_steps=max_steps, kills=2, timeout=380)
+
+
+@pytest.mark.soak
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+def test_twenty_random_kills_of_three_groups(launch):
+    """The soak run of the fault matrix: 20 SIGKILLs of random groups, one every 6 s, in one run of 3 groups."""
+    max_steps = 8000
+    job = launch(
+        groups=3,
+        max_restarts=25,
+        worker_args=[f"--max-steps={max_steps}", *GATES],
+        launcher_args=["--chaos-every=6", "--chaos-count=20", "--chaos-seed=1"],
+    )
+    start_together(job, groups=3, nproc=1)
+    assert_survived(job, max_steps=max_steps, kills=20, timeout=1100)

@@ -1,0 +1,194 @@
+"""Failures injected with FailureInjector into real multi-process jobs: NaN gradients on one replica, an exception
+in one replica's training loop, a kill inside the cross-group allreduce, and a hung (SIGSTOPped) replica."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from harness import LaunchedJob, assert_bit_identical
+from test_fault_tolerance import GATES, start_together
+
+from lightning_ft import Failure, FailureInjector, FTConfigError
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def inject(*failures: dict) -> str:
+    """The worker's ``--inject`` flag (braces doubled: the harness fills ``{root}`` into worker arguments)."""
+    return "--inject=" + json.dumps(list(failures)).replace("{", "{{").replace("}", "}}")
+
+
+def assert_identical_at(job: LaunchedJob, *, max_steps: int, committed: int, replicas: int = 2) -> None:
+    assert job.wait_exit() == 0, job.tail()
+    states = job.final_states()
+    assert len(states) == replicas, sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
+        assert state["manager_step"] == committed, f"{key}: manager step {state['manager_step']} != {committed}"
+        for name, tensor in state["model"].items():
+            assert torch.isfinite(tensor).all(), f"{key}: {name} is not finite"
+    assert_bit_identical(states)
+
+
+def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
+    """Group 0's gradients of step 10 are NaN. Averaged, they would write NaN into every replica's weights; instead
+    every group votes against committing that step, so no replica applies it, and training goes on with the next
+    batch. Every committed step is counted: global_step reaches max_steps, weights stay finite and identical."""
+    max_steps = 24
+    job = launch(
+        groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "nan", "group": 0, "step": 10}), *GATES]
+    )
+    start_together(job, groups=2, nproc=1)
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    rejected = job.events("step_rejected")
+    assert sorted((e["group"], e["step"]) for e in rejected) == [(0, 10), (1, 10)], rejected
+    for group in (0, 1):
+        uncommitted = [e["step"] for e in job.events("step", group=group, committed=False)]
+        assert uncommitted == [10], f"group {group}: uncommitted steps {uncommitted}"
+    assert [e["group"] for e in job.events("failure_injected")] == [0]
+
+
+def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int) -> None:
+    """Group 1's first process failed on its own (injected). Let group 0 commit steps alone, then hold it between two
+    batches (heartbeating) until torchrun's restart of group 1 asks for its first quorum, so that group 0 cannot finish
+    the job before group 1 is back. The lighthouse holds group 1's request until group 0 asks too."""
+    failed_at = job.wait_for("the injected failure", lambda: job.events("failure_injected", pid=first_pid))[0]["time"]
+    job.wait_for(
+        "group 0 to commit 2 steps on its own",
+        lambda: (
+            len([e for e in job.events("step", group=0, committed=True, participants=1) if e["time"] > failed_at]) >= 2
+        ),
+    )
+    pause = job.root / "pause.group0"
+    pause.touch()
+    restarted = job.wait_for(
+        "torchrun to restart group 1",
+        lambda: (pid := job.worker_pid(1, 0)) != first_pid and pid,
+    )
+    job.wait_for("the restarted group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+
+
+def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
+    """Group 1 raises out of its training loop at step 8: torchrun restarts it, it heals from group 0, which never
+    stopped and lost at most the step group 1 died in; no committed step is lost and the replicas end identical."""
+    max_steps = 40
+    job = launch(
+        groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "raise", "group": 1, "step": 8}), *GATES]
+    )
+    start_together(job, groups=2, nproc=1)
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
+    assert "InjectedFailure" in job.log_path.read_text(errors="replace")
+    assert len(job.events("started", group=0)) == 1, "group 0 must never restart"
+    # Group 1 raised after it had joined the step's quorum, so group 0's allreduce of that step fails: at most one.
+    assert len(job.events("step", group=0, committed=False)) <= 1, "group 0 lost more than one step"
+
+
+def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):
+    """Group 1 SIGKILLs itself inside step 9's gradient allreduce (at global_step 8), with group 0 inside the same
+    collective. Group 0's step fails and does not commit (one lost step, not a crash), its next steps commit; the
+    restarted group heals from it."""
+    max_steps = 40
+    failure = {"kind": "kill", "group": 1, "step": 8, "at": "allreduce"}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
+    start_together(job, groups=2, nproc=1)
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    uncommitted = job.events("step", group=0, committed=False)
+    assert len(uncommitted) <= 1, f"the survivor lost more than one step: {uncommitted}"
+    assert len(job.events("started", group=0)) == 1, "the survivor must not crash"
+    assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
+
+
+def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
+    """Group 1 stops (SIGSTOP: every thread, heartbeats included) at step 8 for 8 seconds, longer than the 3-second
+    collective timeout. Group 0's step times out and does not commit, the lighthouse drops group 1 (no heartbeats),
+    and group 0 trains alone (slowed down, so that it is still training when group 1 comes back). When group 1
+    continues (SIGCONT), its step fails, it rejoins at the next quorum and heals, in the same process."""
+    max_steps = 60
+    hang = {"kind": "hang", "group": 1, "step": 8, "seconds": 8}
+    slow = {"kind": "slow", "group": 0, "step": 8, "seconds": 0.4, "steps": 40}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--timeout=3", inject(hang, slow), *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    solo = [e for e in job.events("step", group=0, committed=True) if e["participants"] == 1]
+    assert solo, "group 0 never trained without the hung group"
+    assert len(job.events("started", group=1)) == 1, "the hung group must continue in the same process"
+    heals = [e for e in job.events("healed", group=1) if e["step"] > 8]
+    assert heals, f"group 1 did not heal after it resumed\n{job.tail()}"
+    together_again = [e for e in job.events("step", group=0, committed=True) if e["step"] > heals[0]["step"]]
+    assert together_again and together_again[-1]["participants"] == 2, together_again
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ({"kind": "explode", "step": 1}, "kind='explode'"),
+        ({"kind": "raise", "step": 1, "at": "allreduce"}, "only kill and hang"),
+        ({"kind": "kill", "step": -1}, "must be >= 0"),
+        ({"kind": "slow", "step": 1, "seconds": None}, "seconds"),
+        ({"kind": "hang", "step": 1, "seconds": math.inf}, "seconds=inf"),
+    ],
+)
+def test_invalid_failures_are_refused_with_the_field_named(failure, message):
+    with pytest.raises(FTConfigError, match=message):
+        FailureInjector([failure])
+    with pytest.raises(FTConfigError, match=message):
+        Failure(**failure)
+
+
+def test_fingerprints_are_exact_and_see_one_changed_bit():
+    from lightning_ft.callbacks.consistency import parameter_fingerprint
+
+    params = [torch.randn(7, 3), torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.bfloat16)]
+    same = [p.clone() for p in params]
+    assert parameter_fingerprint(params) == parameter_fingerprint(same)
+    flipped = [p.clone() for p in params]
+    flipped[0].view(torch.int32).view(-1)[4] ^= 1  # one bit of one float
+    assert parameter_fingerprint(flipped) != parameter_fingerprint(params)
+
+
+def test_the_diverged_group_is_the_one_outside_the_majority():
+    from lightning_ft.callbacks.consistency import _diverged_groups
+
+    ok, bad = (10, 20), (11, 20)
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (2, 0, *bad)]) == ({2}, set())
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (0, 1, *ok), (1, 1, *bad), (2, 1, *ok)]) == ({1}, set())
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *bad)]) == (set(), {0, 1})  # two groups: nobody can tell
+    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok)]) == (set(), set())
+
+
+@pytest.mark.timeout(420)
+def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
+    """Group 2's weights change silently at step 12 (simulated silent data corruption): no error anywhere. The
+    consistency check at step 15 names group 2; group 2 stops, torchrun restarts it and it heals from the majority.
+    At the end all three replicas are bit-identical again."""
+    max_steps = 60
+    job = launch(
+        groups=3,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--consistency-every=5",
+            inject({"kind": "corrupt", "group": 2, "step": 12}),
+            *GATES,
+        ],
+    )
+    start_together(job, groups=3, nproc=1)
+    first = job.worker_pid(2, 0, 0)
+    job.wait_for("the check to name group 2", lambda: job.events("replica_diverged", group=0))
+    pause = job.root / "pause.group0"
+    pause.touch()  # group 1 then waits in its quorum for group 0, so neither finishes before group 2 is back
+    restarted = job.wait_for("torchrun to restart group 2", lambda: (pid := job.worker_pid(2, 0)) != first and pid)
+    job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    pause.unlink()
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
+    reports = job.events("replica_diverged")
+    assert {e["group"] for e in reports} >= {0, 1}, reports
+    assert all(e["groups"] == [2] and e["step"] == 15 and e["majority"] for e in reports), reports
+    assert "ReplicaDivergedError" in job.log_path.read_text(errors="replace")
+    assert job.events("healed", group=2, pid=restarted), job.tail()
