@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import LaunchedJob, launch_job
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """An in-process fit writes MASTER_PORT, OMP_NUM_THREADS, RANK... into this process's environment (Lightning's
+    DDP setup). Left there, they leak into later tests and into the subprocesses those start (a MASTER_PORT still
+    held by this process's store fails their bind)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

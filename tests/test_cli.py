@@ -21,9 +21,10 @@ CONFIG = REPO / "examples" / "configs" / "ft.yaml"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
-    }
+    # OMP_NUM_THREADS too: Lightning's DDP setup writes it into this process's environment when an in-process fit
+    # ran earlier in the session, and the launcher only sets it where it is unset.
+    dropped = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
