@@ -130,6 +130,12 @@ def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) 
     ``syncs`` committed syncs, with bit-identical parameters and LR schedules. Each group keeps its own inner
     optimizer state (only parameters, or pseudo-gradients, are averaged)."""
     assert job.wait_exit() == 0, job.tail()
+    for group in range(2):
+        for rank in range(nproc):
+            # The job's first sync: both groups, and it commits everywhere, including in the group that heals there
+            # (DiLoCo's join has nothing to average; the heal source used to vote before the fetch was done).
+            first = min(job.events("step", group=group, rank=rank, sync="join"), key=lambda e: e["time"])
+            assert first["committed"] and first["participants"] == 2, (group, rank, first, job.tail())
     restarted = job.worker_pid(1, 0)
     heals = job.events("healed", group=1, pid=restarted)
     assert heals and heals[0]["step"] > 0, f"the restarted group never healed from a live peer\n{job.tail()}"

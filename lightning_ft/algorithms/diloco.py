@@ -38,6 +38,7 @@ class DiLoCoSync:
         holders = fragment_modules(module, self.fragment_names)
         outer = [settings.outer_optimizer(holder.parameters()) for holder in holders]
         self._manager = manager
+        self._device = next(module.parameters()).device
         self._diloco = DiLoCo(
             manager,
             holders,
@@ -103,6 +104,12 @@ class DiLoCoSync:
     def join_at_start(self, protocol: StepProtocol) -> bool:
         """The job's first sync: every group is here at Manager step 0, and the quorum's ``init_sync`` made their
         parameters identical. Nothing to average; the backups are reset to the (now common) parameters."""
+        # A barrier before the vote. A group that heals here fetches its state from a peer's checkpoint server,
+        # which torchft closes at that peer's vote (Manager.should_commit: disallow_checkpoint). Every other sync
+        # allreduces before voting, which holds the peers until the healing group is done; this one has nothing to
+        # average, so without the barrier the source votes at once and the fetch waits out the whole timeout, fails,
+        # and the group only heals at the next sync, its first window of inner steps thrown away.
+        self._manager.allreduce(torch.zeros(1, device=self._device)).wait()
         committed = protocol.commit()
         self.reset_global_parameters()
         return committed
