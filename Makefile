@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean bench-semi-sync
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not soak" tests
+
+# The semi-synchronous benchmark (docs/benchmarks.md): about 15 minutes per seed on 2 CPU cores.
+# Extra arguments: make bench-semi-sync ARGS="--seeds 0 1"
+bench-semi-sync: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python benchmarks/semi_sync.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_lm import CONTEXT, TinyLM, corpus_digest, held_out_loss, load_corpus, parameter_count
 
+from lightning_ft.events import read_events
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "semi_sync_worker.py"
 GROUPS = 2
@@ -119,6 +121,7 @@ def launch_command(config: Config, steps: int, seed: int, batch_size: int, lr: f
         "--nproc-per-group=1",
         "--max-restarts=0",
         f"--min-replicas={GROUPS}",
+        f"--events-dir={out_dir / 'events'}",
         "--",
         "python",
         str(WORKER),
@@ -185,6 +188,7 @@ def run_config(
     for stat in stats:
         if stat["global_step"] != args.steps:
             raise AssertionError(f"{config.name}: group {stat['group']} ended at global_step {stat['global_step']}")
+    check_events(config, out_dir / "events")
     expected_syncs = expected_manager_steps(config, args.steps)
     if any(stat["manager_step"] != expected_syncs for stat in stats):
         raise AssertionError(
@@ -222,6 +226,22 @@ def run_config(
     if not args.keep:
         shutil.rmtree(out_dir)
     return result
+
+
+def check_events(config: Config, events_dir: Path) -> None:
+    """Every step (``ddp``) or sync committed with both groups taking part, and the only heal is ``init_sync``'s at
+    the job's first quorum (step 0): a later heal means a group threw work away, and the run would measure something
+    else than the configuration."""
+    records = read_events(events_dir)
+    steps = [record for record in records if record["event"] == "step"]
+    if not steps:
+        raise AssertionError(f"{config.name}: no step events in {events_dir}")
+    bad = [record for record in steps if not record["committed"] or record["participants"] != GROUPS]
+    if bad:
+        raise AssertionError(f"{config.name}: steps or syncs without both groups, or not committed: {bad[:3]}")
+    late_heals = [record for record in records if record["event"] == "healed" and record["step"] != 0]
+    if late_heals:
+        raise AssertionError(f"{config.name}: a group healed after the start: {late_heals}")
 
 
 def expected_manager_steps(config: Config, steps: int) -> int:
@@ -401,6 +421,10 @@ def _write_report(
 
 
 # ---------------------------------------------------------------------------------------------------- main
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", type=Config.parse, default=[Config.parse(c) for c in DEFAULT_CONFIGS])
@@ -415,6 +439,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep each run's logs and weights (printed directory)")
     parser.add_argument("--report-only", action="store_true", help="table and plot from --results, run nothing")
     args = parser.parse_args()
+    # A SIGTERM to this script stops the running job too (run_job stops it on any exception).
+    signal.signal(signal.SIGTERM, _raise_system_exit)
 
     if args.report_only:
         report = json.loads(args.results.read_text())
