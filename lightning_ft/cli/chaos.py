@@ -1,7 +1,7 @@
 """``lightning-ft launch --chaos-*``: SIGKILL a random replica group on a schedule, to rehearse failures.
 
 The schedule is either every S seconds or at given committed steps, N times. Only a group that is *up* is a
-candidate (its current workers have committed a step since they started), and a group is only killed while at least
+candidate (its current workers have committed a step since the latest kill), and a group is only killed while at least
 one other group is up, so the job as a whole never loses every replica at once; torchrun then restarts the killed
 group and it heals from the others.
 
@@ -93,9 +93,18 @@ class ChaosMonkey:
         return latest
 
     def _up_groups(self) -> list[int]:
-        """Groups whose current workers are alive and have each committed a step since they started."""
+        """Groups whose current workers are alive and have each committed a step since the latest kill.
+
+        "Since the latest kill", not merely "since they started": survivors can sit in a collective with the dead
+        group for up to ``timeout`` before they go on without it, and a group stuck like that is not up. Counting it
+        would let the next kills take every group that is really training, and a restarted group would then find no
+        live peer to heal from and start again from step 0.
+        """
         records = read_events(self.events_dir)
-        committed_pids = {r["pid"] for r in records if r["event"] == "step" and r.get("committed")}
+        since = self.kills[-1][1] if self.kills else 0.0
+        committed_pids = {
+            r["pid"] for r in records if r["event"] == "step" and r.get("committed") and r["time"] > since
+        }
         up = []
         for group, ranks in self._workers().items():
             if ranks and all(
