@@ -128,9 +128,7 @@ class StepProtocol:
         """End the step whose decision was taken; the next batch opens a new quorum."""
         if self._decision is None:
             return
-        self._quorum_open = False
-        self._decision = None
-        self.sync_in_flight = False
+        self.release()
 
 
 class NonFiniteGradientError(RuntimeError):
