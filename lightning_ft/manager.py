@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-from torchft.checkpointing import CheckpointTransport, HTTPTransport
+from torchft.checkpointing import CheckpointTransport
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroup
 
+from lightning_ft.addresses import is_loopback, numeric_host
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
+from lightning_ft.listeners import AdvertisedHTTPTransport, group_store, manager_server_bound_to
 from lightning_ft.settings import FTSettings
 
 log = logging.getLogger(__name__)
@@ -57,34 +59,40 @@ def cross_group_process_group(settings: FTSettings, device: torch.device) -> Pro
     return ProcessGroupGloo(timeout=settings.timeout)
 
 
-def checkpoint_transport(settings: FTSettings, pg: ProcessGroup, device: torch.device) -> CheckpointTransport:
+def checkpoint_transport(
+    settings: FTSettings, pg: ProcessGroup, device: torch.device, hostname: str
+) -> CheckpointTransport:
     """How a healing group receives a live peer's state: over HTTP, or over the cross-group process group."""
     if settings.checkpoint_transport == "pg":
         return PGTransport(pg, timeout=settings.timeout, device=device)
-    return HTTPTransport(timeout=settings.timeout, num_chunks=0)
+    return AdvertisedHTTPTransport(hostname, timeout=settings.timeout)
 
 
-def _fresh_group_store(
-    settings: FTSettings, group_rank: int, group_world_size: int
-) -> tuple[TCPStore | None, str, int]:
+def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) -> tuple[TCPStore | None, str, int]:
     """Group rank 0 hosts a new TCPStore; every rank learns its address through the group's process group."""
     store: TCPStore | None = None
     address: list[object] = [None]
     if group_rank == 0:
-        store = TCPStore(host_name=settings.hostname, port=0, is_master=True, wait_for_workers=False)
-        address[0] = (settings.hostname, store.port)
+        store = group_store(hostname)
+        address[0] = (hostname, store.port)
     if group_world_size > 1:
         dist.broadcast_object_list(address, src=0)
     host, port = address[0]  # type: ignore[misc]
     return store, str(host), int(port)
 
 
-def build_manager(settings: FTSettings, group_rank: int, group_world_size: int, device: torch.device) -> ManagerHandle:
+def build_manager(
+    settings: FTSettings, group_rank: int, group_world_size: int, device: torch.device, num_nodes: int = 1
+) -> ManagerHandle:
     """Create this process's Manager. Must run after the group's default process group exists.
 
     The state-dict callbacks are registered later (see :mod:`lightning_ft.callbacks.transfer`), once the model and
-    optimizers exist.
+    optimizers exist. ``num_nodes`` is the group's node count: a one-node group with the embedded lighthouse keeps
+    every listener on loopback.
     """
+    hostname = settings.advertised_hostname(num_nodes)
+    if is_loopback(hostname):  # `localhost` may resolve to ::1 on some machines and 127.0.0.1 on others
+        hostname = numeric_host(hostname)
     lighthouse: EmbeddedLighthouse | None = None
     lighthouse_addr = settings.lighthouse
     if settings.needs_embedded_lighthouse and group_rank == 0:
@@ -92,26 +100,27 @@ def build_manager(settings: FTSettings, group_rank: int, group_world_size: int, 
         lighthouse_addr = lighthouse.address
         log.info("lightning-ft: no lighthouse configured; started one in process at %s", lighthouse_addr)
 
-    store, store_host, store_port = _fresh_group_store(settings, group_rank, group_world_size)
+    store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = cross_group_process_group(settings, device)
-    manager = Manager(
-        pg=pg,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=settings.min_replica_size,
-        use_async_quorum=settings.use_async_quorum,
-        timeout=settings.timeout,
-        quorum_timeout=settings.quorum_timeout,
-        connect_timeout=settings.connect_timeout,
-        rank=group_rank,
-        world_size=group_world_size,
-        store_addr=store_host,
-        store_port=store_port,
-        lighthouse_addr=lighthouse_addr,
-        replica_id=settings.replica_id,
-        hostname=settings.hostname,
-        checkpoint_transport=checkpoint_transport(settings, pg, device),
-        init_sync=settings.init_sync,
-        max_retries=settings.max_retries,
-    )
+    with manager_server_bound_to(hostname):
+        manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=settings.min_replica_size,
+            use_async_quorum=settings.use_async_quorum,
+            timeout=settings.timeout,
+            quorum_timeout=settings.quorum_timeout,
+            connect_timeout=settings.connect_timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=store_host,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=settings.replica_id,
+            hostname=hostname,
+            checkpoint_transport=checkpoint_transport(settings, pg, device, hostname),
+            init_sync=settings.init_sync,
+            max_retries=settings.max_retries,
+        )
     return ManagerHandle(manager=manager, store=store, lighthouse=lighthouse)

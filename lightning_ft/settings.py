@@ -1,7 +1,8 @@
 """Every FTStrategy setting in one place: environment fallbacks and validation.
 
 Settings arrive from three places: constructor arguments (and so LightningCLI YAML), environment variables set by a
-launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``), and defaults. They are resolved and
+launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LIGHTNING_FT_HOSTNAME``), and
+defaults. They are resolved and
 checked once, up front, so that a wrong value fails at construction with a message that names the setting and the
 fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning_ft.addresses import LOOPBACK
+
 ProcessGroupName = Literal["auto", "gloo", "nccl"]
 TransportName = Literal["http", "pg"]
 
@@ -23,6 +26,8 @@ TRANSPORTS: tuple[str, ...] = ("http", "pg")
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+# The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user).
+ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 
 
 class FTConfigError(ValueError):
@@ -63,7 +68,8 @@ class FTSettings:
     max_retries: int | None
     process_group: ProcessGroupName
     checkpoint_transport: TransportName
-    hostname: str
+    # None: decided at setup by `advertised_hostname`, once the number of nodes is known.
+    hostname: str | None
     replica_id_prefix: str
     skip_non_finite_steps: bool = True
 
@@ -80,6 +86,18 @@ class FTSettings:
     @property
     def needs_embedded_lighthouse(self) -> bool:
         return self.lighthouse is None
+
+    def advertised_hostname(self, num_nodes: int) -> str:
+        """The address this group gives its peers for healing, its store and its ManagerServer.
+
+        A job with the embedded lighthouse on one node has no peers on other machines, so it advertises (and binds,
+        see :mod:`lightning_ft.listeners`) loopback. Otherwise the machine's hostname, as torchft does.
+        """
+        if self.hostname is not None:
+            return self.hostname
+        if self.needs_embedded_lighthouse and num_nodes == 1:
+            return LOOPBACK
+        return socket.gethostname()
 
 
 def resolve_settings(
@@ -147,7 +165,7 @@ def resolve_settings(
         max_retries=max_retries,
         process_group=process_group,  # type: ignore[arg-type]
         checkpoint_transport=checkpoint_transport,  # type: ignore[arg-type]
-        hostname=hostname or socket.gethostname(),
+        hostname=hostname or os.environ.get(ENV_HOSTNAME) or None,
         replica_id_prefix=replica_id_prefix,
         skip_non_finite_steps=bool(skip_non_finite_steps),
     )

@@ -114,7 +114,9 @@ class FTStrategy(DDPStrategy):
         process_group: Backend between groups: ``"gloo"``, ``"nccl"``, or ``"auto"`` (NCCL on CUDA, else Gloo).
         checkpoint_transport: How a healing group receives state: ``"http"`` or ``"pg"`` (the cross-group
             process group).
-        hostname: Address this group advertises to other groups for healing and its store. Default: the hostname.
+        hostname: Address this group advertises to other groups for healing, its store and its ManagerServer.
+            Default: env ``LIGHTNING_FT_HOSTNAME``; else loopback for one node with the embedded lighthouse; else the
+            machine's hostname. A loopback address also binds those listeners to loopback (``docs/security.md``).
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
         skip_non_finite_steps: When a step's averaged gradient has an inf or NaN, every replica skips the step (it does
             not commit; the batch is not retried) instead of writing NaN into every replica's weights. Counted and
@@ -359,7 +361,9 @@ class FTStrategy(DDPStrategy):
         events.configure(self.settings.replica_group_id, self.global_rank)
         # Before Lightning registers its own SIGTERM handler, which then calls this one too.
         self._sigterm_deadline.install()
-        self._handle = build_manager(self.settings, self.global_rank, self.world_size, self.root_device)
+        self._handle = build_manager(
+            self.settings, self.global_rank, self.world_size, self.root_device, num_nodes=self.num_nodes
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             self._protocol = StepProtocol(self._handle.manager)
             self._add_default_callbacks(trainer)

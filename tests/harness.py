@@ -6,8 +6,10 @@ Every wait has a deadline and says what it was waiting for. Cleanup stops only w
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,3 +182,44 @@ def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
             assert_tree_equal(x, y, f"{where}[{index}]")
     else:
         assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket that process ``pid`` listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            # The kernel prints each 32-bit word of the address in host (little-endian) byte order.
+            raw = b"".join(bytes.fromhex(address_hex[i : i + 8])[::-1] for i in range(0, len(address_hex), 8))
+            found.append((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return found
+
+
+def assert_listeners_confined(job: LaunchedJob, groups: int, nproc: int) -> None:
+    """A local job's workers listen on loopback only, except torch's own ``env://`` store on ``MASTER_PORT``, which
+    offers no bind address (see docs/security.md)."""
+    for group in range(groups):
+        for rank in range(nproc):
+            pid = job.worker_pid(group, rank)
+            environ = dict(
+                item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+            )
+            exposed = [
+                (host, port)
+                for host, port in listening_sockets(pid)
+                if not ipaddress.ip_address(host).is_loopback and port != int(environ["MASTER_PORT"])
+            ]
+            assert not exposed, f"group {group} rank {rank} (pid {pid}) listens beyond loopback on {exposed}"

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from harness import LaunchedJob, assert_bit_identical, process_gone
+from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, process_gone
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -123,6 +123,8 @@ def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
         worker_args=[f"--max-steps={max_steps}", "--accumulate=2", "--clip=0.5", *GATES],
     )
     start_together(job, groups=2, nproc=2)
+    # A local job keeps its listeners (store, ManagerServer, checkpoint server, Gloo) on loopback.
+    assert_listeners_confined(job, groups=2, nproc=2)
     kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=4)
 

@@ -19,11 +19,13 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import IO
+from urllib.parse import urlsplit
 
+from lightning_ft.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft.cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft.events import ENV_EVENTS_DIR
 from lightning_ft.lighthouse import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
-from lightning_ft.settings import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
+from lightning_ft.settings import ENV_HOSTNAME, ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -117,7 +119,27 @@ def group_environment(group_id: int, num_groups: int, lighthouse: str, events_di
     env["PYTHONUNBUFFERED"] = "1"
     if events_dir:
         env[ENV_EVENTS_DIR] = os.path.abspath(events_dir)
+    env.update(local_listener_environment(lighthouse, env))
     return env
+
+
+def local_listener_environment(lighthouse: str, env: dict[str, str]) -> dict[str, str]:
+    """Keep a one-machine job off the network: what to add to the groups' environment.
+
+    A lighthouse on a loopback address is reachable from this machine only, so every group is on this machine too:
+    the groups advertise (and so bind, see :mod:`lightning_ft.listeners`) loopback, and Gloo's pairs bind to the
+    loopback interface. Values the user already set are kept.
+    """
+    host = urlsplit(lighthouse).hostname or ""
+    if not is_loopback(host):
+        return {}
+    extra = {}
+    if ENV_HOSTNAME not in env:
+        extra[ENV_HOSTNAME] = LOOPBACK
+    interface = loopback_interface()
+    if "GLOO_SOCKET_IFNAME" not in env and interface is not None:
+        extra["GLOO_SOCKET_IFNAME"] = interface
+    return extra
 
 
 def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> None:

@@ -1,0 +1,122 @@
+"""Where this process's fault-tolerance listeners bind, and the address they advertise to peers.
+
+A replica group opens three listeners of its own besides torch's: the group's TCPStore (group rank 0), torchft's
+ManagerServer (group rank 0; quorum and commit RPCs), and the HTTP checkpoint server (every rank; it serves the
+*full training state* to any client that asks). torchft binds the last two to every interface and advertises the
+machine's hostname for the HTTP server whatever the Manager was told. Both are wrong for a job that lives on one
+machine, where nothing should be reachable from the network, and the second is wrong on a cluster whose hostname
+resolves onto the slow interface (torchft issue 329).
+
+The rule here is simple: a group that advertises a loopback address can only be reached from this machine anyway, so
+its listeners bind to that loopback address. Any other advertised address keeps torchft's bind-everything default
+(peers on other hosts must reach it; confine it with a firewall, see ``docs/security.md``), and the HTTP server then
+advertises that address instead of the hostname.
+
+torch's own stores (torchrun's rendezvous store and the ``env://`` store on ``MASTER_PORT``) offer no bind address
+and are out of reach here; ``docs/security.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+import torchft.manager
+from torch.distributed import TCPStore
+from torchft.checkpointing import HTTPTransport
+
+from lightning_ft.addresses import is_loopback, numeric_host, url_host
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def group_store(hostname: str) -> TCPStore:
+    """The group's fresh TCPStore server, on loopback when ``hostname`` is loopback, else on every interface.
+
+    ``TCPStore`` has no bind-address argument but accepts a socket that is already listening.
+    """
+    if not is_loopback(hostname):
+        return TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False)
+    host = numeric_host(hostname)
+    listener = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(socket.SOMAXCONN)
+        store = TCPStore(
+            host_name=host,
+            port=listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    # The store serves on this fd from now on; the Python object must not close it when it is garbage-collected.
+    listener.detach()
+    return store
+
+
+@contextmanager
+def manager_server_bound_to(hostname: str) -> Iterator[None]:
+    """While a ``torchft.Manager`` is built, bind its ManagerServer to ``hostname`` if that is loopback.
+
+    torchft 0.2.0 hardcodes ``bind=f"[::]:{port}"`` in ``Manager.__init__``. Rather than copy the constructor, this
+    rewrites that one argument for the duration of the call, on the module attribute the constructor looks up.
+    Remove once torchft's Manager takes a bind address.
+    """
+    if not is_loopback(hostname):
+        yield
+        return
+    original = torchft.manager.ManagerServer
+    host = url_host(numeric_host(hostname))
+
+    def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        return original(*args, bind=f"{host}:{port}", **kwargs)
+
+    torchft.manager.ManagerServer = bound_server  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original  # type: ignore[misc]
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024
+
+
+class AdvertisedHTTPTransport(HTTPTransport):
+    """torchft's HTTP checkpoint transport, advertising ``hostname`` and bound to it when it is loopback.
+
+    torchft's server advertises ``socket.gethostname()`` and listens on every interface. A healing peer must be sent
+    to the address this group chose (the same one its ManagerServer and store advertise), and a local job's full
+    weights must not be served to the network.
+    """
+
+    def __init__(self, hostname: str, timeout: timedelta, num_chunks: int = 0) -> None:
+        self._advertised = url_host(hostname)  # before torchft's constructor, which logs address()
+        super().__init__(timeout=timeout, num_chunks=num_chunks)
+        if is_loopback(hostname):
+            self._rebind(numeric_host(hostname))
+
+    def _rebind(self, host: str) -> None:
+        """Replace the server that torchft started on every interface with one on ``host``, same handler."""
+        handler = self._server.RequestHandlerClass
+        self._server.shutdown()
+        self._server.server_close()
+        server_class = type("_LoopbackHTTPServer", (_HTTPServer,), {"address_family": _family(host)})
+        self._server = server_class((host, 0), handler)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        return f"http://{self._advertised}:{port}/checkpoint/"
