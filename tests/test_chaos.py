@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from harness import REPO, LaunchedJob, assert_bit_identical
+from matrix import write
 from test_fault_tolerance import GATES, start_together
 
 from lightning_ft.cli.chaos import ChaosSchedule
@@ -62,7 +63,7 @@ def chaos_kills(job: LaunchedJob) -> list[int]:
     return [int(g) for g in re.findall(r"chaos: SIGKILL replica group (\d+)", job.log_path.read_text(errors="replace"))]
 
 
-def assert_survived(job: LaunchedJob, *, max_steps: int, kills: int, timeout: float) -> None:
+def assert_survived(job: LaunchedJob, *, case: str, max_steps: int, kills: int, timeout: float) -> None:
     assert job.wait_exit(timeout=timeout) == 0, job.tail()
     assert len(chaos_kills(job)) == kills, job.tail()
     states = job.final_states()
@@ -73,10 +74,12 @@ def assert_survived(job: LaunchedJob, *, max_steps: int, kills: int, timeout: fl
     assert_bit_identical(states)
     # No committed step was ever lost: every restarted process healed from a live peer at a step past 0 (a restart
     # that found no live peer would start again from step 0 and still end "identical").
-    for record in job.events("started"):
-        if record["attempt"] > 0:
-            heals = [e["step"] for e in job.events("healed", pid=record["pid"])]
-            assert heals and heals[0] > 0, f"restarted group {record['group']} did not heal from a peer: {heals}"
+    for started in job.events("started"):
+        if started["attempt"] > 0:
+            heals = [e["step"] for e in job.events("healed", pid=started["pid"])]
+            assert heals and heals[0] > 0, f"restarted group {started['group']} did not heal from a peer: {heals}"
+    uncommitted = len(job.events("step", rank=0, committed=False))
+    write({"case": case, "kills": kills, "uncommitted_steps_all_groups": uncommitted, "identical": True})
 
 
 @pytest.mark.multiprocess
@@ -93,7 +96,7 @@ def test_chaos_at_steps_kills_groups_and_the_job_still_finishes_identical(launch
         launcher_args=["--chaos-at-steps=30,80", "--chaos-seed=0"],
     )
     start_together(job, groups=3, nproc=1)
-    assert_survived(job, max_steps=max_steps, kills=2, timeout=380)
+    assert_survived(job, case="--chaos-at-steps 30,80, 3 groups", max_steps=max_steps, kills=2, timeout=380)
 
 
 @pytest.mark.soak
@@ -109,4 +112,4 @@ def test_twenty_random_kills_of_three_groups(launch):
         launcher_args=["--chaos-every=6", "--chaos-count=20", "--chaos-seed=1"],
     )
     start_together(job, groups=3, nproc=1)
-    assert_survived(job, max_steps=max_steps, kills=20, timeout=1100)
+    assert_survived(job, case="20 random kills of 3 groups (soak)", max_steps=max_steps, kills=20, timeout=1100)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from harness import LaunchedJob, assert_bit_identical
+from matrix import record
 from test_fault_tolerance import GATES, start_together
 
 from lightning_ft import Failure, FailureInjector, FTConfigError
@@ -19,6 +20,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 def inject(*failures: dict) -> str:
     """The worker's ``--inject`` flag (braces doubled: the harness fills ``{root}`` into worker arguments)."""
     return "--inject=" + json.dumps(list(failures)).replace("{", "{{").replace("}", "}}")
+
+
+def injected_at(job: LaunchedJob) -> float:
+    """When the first injected failure fired (epoch seconds)."""
+    return min(e["time"] for e in job.events("failure_injected"))
 
 
 def assert_identical_at(job: LaunchedJob, *, max_steps: int, committed: int, replicas: int = 2) -> None:
@@ -49,6 +55,7 @@ def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
         uncommitted = [e["step"] for e in job.events("step", group=group, committed=False)]
         assert uncommitted == [10], f"group {group}: uncommitted steps {uncommitted}"
     assert [e["group"] for e in job.events("failure_injected")] == [0]
+    record("NaN gradients on one replica", job, failed_at=injected_at(job), victim=0, survivors=[1])
 
 
 def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int) -> None:
@@ -87,6 +94,7 @@ def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(lau
     assert len(job.events("started", group=0)) == 1, "group 0 must never restart"
     # Group 1 raised after it had joined the step's quorum, so group 0's allreduce of that step fails: at most one.
     assert len(job.events("step", group=0, committed=False)) <= 1, "group 0 lost more than one step"
+    record("Exception in one replica's training loop", job, failed_at=injected_at(job), victim=1, survivors=[0])
 
 
 def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):
@@ -103,6 +111,7 @@ def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_
     assert len(uncommitted) <= 1, f"the survivor lost more than one step: {uncommitted}"
     assert len(job.events("started", group=0)) == 1, "the survivor must not crash"
     assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
+    record("SIGKILL inside the cross-group allreduce", job, failed_at=injected_at(job), victim=1, survivors=[0])
 
 
 def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
@@ -123,6 +132,8 @@ def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
     assert heals, f"group 1 did not heal after it resumed\n{job.tail()}"
     together_again = [e for e in job.events("step", group=0, committed=True) if e["step"] > heals[0]["step"]]
     assert together_again and together_again[-1]["participants"] == 2, together_again
+    record("Hung replica (SIGSTOP 8 s, collective timeout 3 s)", job, failed_at=injected_at(job), victim=1,
+           survivors=[0], healed_in_same_process=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -192,3 +203,6 @@ def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
     assert all(e["groups"] == [2] and e["step"] == 15 and e["majority"] for e in reports), reports
     assert "ReplicaDivergedError" in job.log_path.read_text(errors="replace")
     assert job.events("healed", group=2, pid=restarted), job.tail()
+    detected = min(e["time"] for e in reports)
+    record("Silent corruption of one replica of 3 (check every 5 steps)", job, failed_at=injected_at(job), victim=2,
+           survivors=[0, 1], detected_after_s=round(detected - injected_at(job), 2))  # fmt: skip

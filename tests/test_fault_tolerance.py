@@ -14,6 +14,7 @@ import time
 
 import pytest
 from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, process_gone
+from matrix import record
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -109,8 +110,11 @@ def test_sigkill_one_of_two_groups(launch, async_quorum, transport):
         worker_args=[f"--max-steps={max_steps}", f"--async-quorum={async_quorum}", f"--transport={transport}", *GATES],
     )
     start_together(job, groups=2, nproc=1)
-    kill_and_restart(job, victim=1, rank=0, survivor=0)
+    killed_at = kill_and_restart(job, victim=1, rank=0, survivor=0)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+    quorum = "async" if async_quorum else "sync"
+    record(f"SIGKILL of a group between steps ({quorum} quorum, {transport} heal)", job,
+           failed_at=killed_at, victim=1, survivors=[0])  # fmt: skip
 
 
 def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
@@ -125,8 +129,9 @@ def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
     start_together(job, groups=2, nproc=2)
     # A local job keeps its listeners (store, ManagerServer, checkpoint server, Gloo) on loopback.
     assert_listeners_confined(job, groups=2, nproc=2)
-    kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
+    killed_at = kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=4)
+    record("SIGKILL of one rank of a 2-process group", job, failed_at=killed_at, victim=1, survivors=[0])
 
 
 def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
@@ -169,3 +174,4 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     pause.unlink()
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+    record("SIGKILL of a group inside validation", job, failed_at=killed_at, victim=1, survivors=[0])

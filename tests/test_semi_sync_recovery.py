@@ -10,6 +10,7 @@ import time
 
 import pytest
 from harness import LaunchedJob, assert_tree_equal
+from matrix import record
 from test_fault_tolerance import GATES, start_together
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -81,6 +82,8 @@ def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
     cut, *later = after(job, killed_at)
     assert not cut["committed"], f"the sync that group 1 died in committed on group 0: {cut}"
     assert later and all(e["committed"] for e in later), later
+    record(f"SIGKILL during a {algorithm} sync (delay {delay})", job, failed_at=killed_at, victim=1, survivors=[0],
+           unit="syncs")  # fmt: skip
 
 
 def after(job: LaunchedJob, moment: float) -> list[dict]:
