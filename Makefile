@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean bench-semi-sync
+.PHONY: demo test lint format clean bench-semi-sync fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 bench-semi-sync: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/semi_sync.py $(ARGS)
+
+# The fault test matrix with its measured figures (docs/reliability.md): about 10 minutes on 2 CPU cores.
+# ARGS="--soak" adds the 20-kill soak run.
+fault-matrix: $(STAMP)
+	$(BIN)/python benchmarks/fault_matrix.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
