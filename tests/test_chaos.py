@@ -59,8 +59,35 @@ def test_the_command_line_refuses_them_too():
     assert result.returncode == 2 and "at least 2" in result.stderr, result
 
 
-def chaos_kills(job: LaunchedJob) -> list[int]:
-    return [int(g) for g in re.findall(r"chaos: SIGKILL replica group (\d+)", job.log_path.read_text(errors="replace"))]
+def chaos_kills(job: LaunchedJob) -> list[tuple[int, set[int]]]:
+    """Every kill the launcher reported so far: the group, and the PIDs it killed."""
+    log = job.log_path.read_text(errors="replace")
+    return [
+        (int(group), {int(pid) for pid in pids.split(", ")})
+        for group, pids in re.findall(r"chaos: SIGKILL replica group (\d+) \(pids ([\d, ]+)\)", log)
+    ]
+
+
+def hold_others_until_the_victim_is_back(job: LaunchedJob, kill: int, groups: int) -> None:
+    """After the launcher's kill number ``kill`` (1-based), hold every other group between two batches (its Manager
+    heartbeating) until torchrun's restart of the victim asks for its first quorum: the victim then joins the next
+    quorum and heals from a live peer, however long its restart took, and the job cannot end before it is back."""
+    victim, killed = job.wait_for(
+        f"chaos kill {kill}", lambda: len(kills := chaos_kills(job)) >= kill and kills[kill - 1]
+    )
+    others = [group for group in range(groups) if group != victim]
+    for group in others:
+        (job.root / f"pause.group{group}").touch()
+    killed_started = max(e["time"] for e in job.events("started", group=victim) if e["pid"] in killed)
+    restarted = job.wait_for(
+        f"torchrun to restart group {victim}",
+        lambda: [e["pid"] for e in job.events("started", group=victim) if e["time"] > killed_started],
+    )
+    job.wait_for(
+        f"the restarted group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted[0])
+    )
+    for group in others:
+        (job.root / f"pause.group{group}").unlink()
 
 
 def assert_survived(job: LaunchedJob, *, case: str, max_steps: int, kills: int, timeout: float) -> None:
@@ -86,9 +113,10 @@ def assert_survived(job: LaunchedJob, *, case: str, max_steps: int, kills: int, 
 @pytest.mark.timeout(420)
 def test_chaos_at_steps_kills_groups_and_the_job_still_finishes_identical(launch):
     """3 groups; the launcher kills a random group that is up at committed steps 30 and 80 (a victim counts as up
-    again once its restarted workers have committed a step). Long enough for both victims to be restarted by
-    torchrun and heal before the job ends, even on a loaded machine."""
-    max_steps = 4000  # restarts take 5 s here, 30 s when the machine is loaded; the others must still be training
+    again once its restarted workers have committed a step). After each kill the test holds the other groups until
+    the victim's restart is back, so that the job cannot end before both victims have healed, however loaded the
+    machine is."""
+    max_steps = 120
     job = launch(
         groups=3,
         max_restarts=3,
@@ -96,6 +124,8 @@ def test_chaos_at_steps_kills_groups_and_the_job_still_finishes_identical(launch
         launcher_args=["--chaos-at-steps=30,80", "--chaos-seed=0"],
     )
     start_together(job, groups=3, nproc=1)
+    for kill in (1, 2):
+        hold_others_until_the_victim_is_back(job, kill, groups=3)
     assert_survived(job, case="--chaos-at-steps 30,80, 3 groups", max_steps=max_steps, kills=2, timeout=380)
 
 
