@@ -35,3 +35,8 @@ def numeric_host(host: str) -> str:
 def url_host(host: str) -> str:
     """An IPv6 literal in a URL or ``host:port`` needs brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """The socket family of a numeric address: IPv6 literals contain a colon."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

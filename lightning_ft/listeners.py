@@ -2,15 +2,13 @@
 
 A replica group opens three listeners of its own besides torch's: the group's TCPStore (group rank 0), torchft's
 ManagerServer (group rank 0; quorum and commit RPCs), and the HTTP checkpoint server (every rank; it serves the
-*full training state* to any client that asks). torchft binds the last two to every interface and advertises the
-machine's hostname for the HTTP server whatever the Manager was told. Both are wrong for a job that lives on one
-machine, where nothing should be reachable from the network, and the second is wrong on a cluster whose hostname
-resolves onto the slow interface (torchft issue 329).
+*full training state* to any client that asks). torchft binds the last two to every interface, which is wrong for a
+job that lives on one machine, where nothing should be reachable from the network. This module handles the store and
+the ManagerServer; :mod:`lightning_ft.http_transport` handles the checkpoint server the same way.
 
 The rule here is simple: a group that advertises a loopback address can only be reached from this machine anyway, so
 its listeners bind to that loopback address. Any other advertised address keeps torchft's bind-everything default
-(peers on other hosts must reach it; confine it with a firewall, see ``docs/security.md``), and the HTTP server then
-advertises that address instead of the hostname.
+(peers on other hosts must reach it; confine it with a firewall, see ``docs/security.md``).
 
 torch's own stores (torchrun's rendezvous store and the ``env://`` store on ``MASTER_PORT``) offer no bind address
 and are out of reach here; ``docs/security.md`` lists them.
@@ -19,22 +17,14 @@ and are out of reach here; ``docs/security.md`` lists them.
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torchft.manager
 from torch.distributed import TCPStore
-from torchft.checkpointing import HTTPTransport
 
-from lightning_ft.addresses import is_loopback, numeric_host, url_host
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+from lightning_ft.addresses import family_of, is_loopback, numeric_host, url_host
 
 
 def group_store(hostname: str) -> TCPStore:
@@ -45,7 +35,7 @@ def group_store(hostname: str) -> TCPStore:
     if not is_loopback(hostname):
         return TCPStore(host_name=hostname, port=0, is_master=True, wait_for_workers=False)
     host = numeric_host(hostname)
-    listener = socket.socket(_family(host), socket.SOCK_STREAM)
+    listener = socket.socket(family_of(host), socket.SOCK_STREAM)
     try:
         listener.bind((host, 0))
         listener.listen(socket.SOMAXCONN)
@@ -87,36 +77,3 @@ def manager_server_bound_to(hostname: str) -> Iterator[None]:
         yield
     finally:
         torchft.manager.ManagerServer = original  # type: ignore[misc]
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    request_queue_size = 1024
-
-
-class AdvertisedHTTPTransport(HTTPTransport):
-    """torchft's HTTP checkpoint transport, advertising ``hostname`` and bound to it when it is loopback.
-
-    torchft's server advertises ``socket.gethostname()`` and listens on every interface. A healing peer must be sent
-    to the address this group chose (the same one its ManagerServer and store advertise), and a local job's full
-    weights must not be served to the network.
-    """
-
-    def __init__(self, hostname: str, timeout: timedelta, num_chunks: int = 0) -> None:
-        self._advertised = url_host(hostname)  # before torchft's constructor, which logs address()
-        super().__init__(timeout=timeout, num_chunks=num_chunks)
-        if is_loopback(hostname):
-            self._rebind(numeric_host(hostname))
-
-    def _rebind(self, host: str) -> None:
-        """Replace the server that torchft started on every interface with one on ``host``, same handler."""
-        handler = self._server.RequestHandlerClass
-        self._server.shutdown()
-        self._server.server_close()
-        server_class = type("_LoopbackHTTPServer", (_HTTPServer,), {"address_family": _family(host)})
-        self._server = server_class((host, 0), handler)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def address(self) -> str:
-        port = self._server.socket.getsockname()[1]
-        return f"http://{self._advertised}:{port}/checkpoint/"

@@ -9,12 +9,28 @@ The Manager needs three things from its surroundings, and each has a trap this m
 * **A cross-group process group.** It links rank *r* of every group with rank *r* of the others; it never replaces
   the torch default process group, which stays inside the group.
 * **A lighthouse.** When none is configured and the job is a single group, one is started in process.
+
+Two more things a healing group must get right, which torchft 0.2.0 leaves to its caller:
+
+* **Loading the peer's state safely.** torchft's HTTP transport unpickles it with ``weights_only=False``, which
+  runs whatever code the bytes name, from whichever address the quorum gave. The training state lightning-ft sends
+  is plain data, so :class:`~lightning_ft.http_transport.CheckpointHTTPTransport` loads it with
+  ``weights_only=True``. (The ``pg`` transport
+  unpickles only torchft's small metadata record with :mod:`pickle`, over the job's own cross-group process group;
+  its tensors arrive as raw bytes. That is torchft's code and is left as it is.)
+* **Refusing a peer whose model differs before the first collective.** With an asynchronous quorum, torchft loads
+  the peer's state only at the commit vote, after the gradient allreduce; a model of another shape reaches that
+  allreduce first, where Gloo aborts the *healthy* peer's process on the size mismatch. :class:`FTManager` runs the
+  registered checks on the received state as soon as the quorum is known, so the healing group fails alone, with
+  an error naming the parameter and both shapes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,20 +39,73 @@ from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 from torchft.checkpointing import CheckpointTransport
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroup
+from typing_extensions import override
 
 from lightning_ft.addresses import is_loopback, numeric_host
+from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
-from lightning_ft.listeners import AdvertisedHTTPTransport, group_store, manager_server_bound_to
+from lightning_ft.listeners import group_store, manager_server_bound_to
 from lightning_ft.settings import FTSettings
 
 log = logging.getLogger(__name__)
+
+
+class FTManager(Manager):
+    """torchft's Manager, vetting a healing replica's received state before anything else happens with it.
+
+    Relies on two attributes of torchft 0.2.0's Manager (``_healing``, ``_pending_state_dict``): the quorum thread
+    stores the received state there, and the Manager loads it later on the training thread
+    (``_apply_pending_state_dict``, overridden here to vet first).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._heal_checks: dict[str, Callable[[Any], Any]] = {}
+        self._vetted: int | None = None  # id() of the received state last checked (a reference would pin it)
+
+    def register_heal_check(self, key: str, check: Callable[[Any], Any]) -> None:
+        """``check(state)`` raises if the state received under ``key`` must not be loaded into this replica."""
+        self._heal_checks[key] = check
+
+    @override
+    def wait_quorum(self) -> None:
+        """Wait for the quorum, as torchft does, then vet a heal right away: every cross-group collective
+        (``allreduce``) waits here first, so a state that cannot be loaded stops this replica before it exchanges
+        anything with its peers."""
+        super().wait_quorum()
+        self._vet_heal()
+
+    @override
+    def _apply_pending_state_dict(self) -> None:
+        """Vet, then load as torchft does. Reached even when no collective ran (a failed fetch skips them)."""
+        assert self._quorum_future is not None, "must call start_quorum before applying a heal"
+        self._quorum_future.result()
+        self._vet_heal()
+        super()._apply_pending_state_dict()
+
+    def _vet_heal(self) -> None:
+        """Raise if this replica heals and the received state must not be loaded; a no-op otherwise."""
+        if not self._healing:
+            return
+        pending = self._pending_state_dict
+        if pending is None:
+            error = self.errored()
+            if error is not None and isinstance(error.original_exception, RefusedPeerStateError):
+                raise error.original_exception  # the same bytes would be refused at every retry
+            return
+        if id(pending) == self._vetted:
+            return
+        user_state = pending["user"]
+        for key, check in self._heal_checks.items():
+            check(user_state[key])
+        self._vetted = id(pending)
 
 
 @dataclass
 class ManagerHandle:
     """The Manager together with the resources this process owns for it, so they are torn down together."""
 
-    manager: Manager
+    manager: FTManager
     # Held, not used: on group rank 0 this object *is* the group's store server, which lives as long as it does.
     store: TCPStore | None = None
     lighthouse: EmbeddedLighthouse | None = None
@@ -65,7 +134,7 @@ def checkpoint_transport(
     """How a healing group receives a live peer's state: over HTTP, or over the cross-group process group."""
     if settings.checkpoint_transport == "pg":
         return PGTransport(pg, timeout=settings.timeout, device=device)
-    return AdvertisedHTTPTransport(hostname, timeout=settings.timeout)
+    return CheckpointHTTPTransport(hostname, timeout=settings.timeout)
 
 
 def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) -> tuple[TCPStore | None, str, int]:
@@ -103,7 +172,7 @@ def build_manager(
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = cross_group_process_group(settings, device)
     with manager_server_bound_to(hostname):
-        manager = Manager(
+        manager = FTManager(
             pg=pg,
             load_state_dict=None,
             state_dict=None,

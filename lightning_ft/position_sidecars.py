@@ -148,7 +148,9 @@ def _read_sidecar(path: str, weights_only: bool | None) -> tuple[dict[str, Any] 
     if not get_filesystem(path).exists(path):
         return None, None
     try:
-        sidecar = load_file(path, map_location="cpu", weights_only=weights_only)
+        # A sidecar is plain data written by lightning-ft, so it loads with weights_only=True unless the caller
+        # explicitly allowed more (a StatefulDataLoader state may hold the user's own dataset state).
+        sidecar = load_file(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
     except Exception as error:  # any unreadable content: truncated, not a torch file, unpicklable
         return None, f"unreadable: {type(error).__name__}: {error}"
     if not isinstance(sidecar, dict) or sidecar.get("format") != SIDECAR_FORMAT or "batch_progress" not in sidecar:

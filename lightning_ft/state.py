@@ -4,7 +4,8 @@ A healing group must leave the heal indistinguishable from its peer. That is mor
 every LR scheduler, the precision plugin (GradScaler), the loop counters that Lightning derives decisions from, and
 the callbacks' state (``ModelCheckpoint``'s last and best paths, ``EarlyStopping``'s patience), exactly what
 Lightning itself would restore from a checkpoint. Callback state must therefore be plain data (tensors, numbers,
-strings, containers): the HTTP transport loads it with ``weights_only=True``.
+strings, containers): it arrives through torch's ``weights_only=True`` unpickler (see
+:mod:`lightning_ft.manager`).
 The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
 step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
 
@@ -62,11 +63,23 @@ def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
     return state
 
 
-def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
-    """Load a peer's state into this replica, refusing anything that does not match its structure."""
+def check_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, Any]:
+    """Raise :class:`IncompatibleReplicaError` if a peer's state does not fit this replica; load nothing.
+
+    Returns the state ready to load (with FSDP, the received local shards wrapped as this replica's DTensors).
+    The Manager runs this check before the healing replica's first cross-group collective (see
+    :class:`~lightning_ft.manager.FTManager`), because a model of another shape would otherwise reach the
+    gradient allreduce first, where mismatched sizes abort the *healthy* peer's process inside Gloo.
+    """
     if holds_shards(trainer):
         state = _from_local_shards(trainer, state)
     _check_compatible(trainer, state)
+    return state
+
+
+def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Load a peer's state into this replica, refusing anything that does not match its structure."""
+    state = check_training_state(trainer, state)
     module = trainer.lightning_module
     try:
         module.load_state_dict(state["model"], strict=True)
@@ -105,13 +118,29 @@ def _check_compatible(trainer: pl.Trainer, state: dict[str, Any]) -> None:
                 f"the same LightningModule and configure_optimizers()."
             )
     peer_model: dict[str, torch.Tensor] = state["model"]
-    for name, tensor in trainer.lightning_module.state_dict().items():
+    own_model = trainer.lightning_module.state_dict()
+    missing = [name for name in own_model if name not in peer_model]
+    unexpected = [name for name in peer_model if name not in own_model]
+    if missing or unexpected:
+        raise IncompatibleReplicaError(
+            f"the peer's model does not match this replica's model: parameters only here: {_names(missing)}; "
+            f"parameters only on the peer: {_names(unexpected)}. Every replica group must build the same model. "
+            f"Nothing was loaded."
+        )
+    for name, tensor in own_model.items():
         peer = peer_model.get(name)
         if peer is not None and tuple(peer.shape) != tuple(tensor.shape):
             raise IncompatibleReplicaError(
                 f"parameter {name!r} has shape {tuple(peer.shape)} on the peer but {tuple(tensor.shape)} here: "
-                f"every replica group must build the same model."
+                f"every replica group must build the same model. Nothing was loaded."
             )
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def align_step_counters(trainer: pl.Trainer, committed_steps: int) -> None:

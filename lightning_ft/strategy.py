@@ -42,6 +42,7 @@ dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to r
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
@@ -71,7 +72,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
-from lightning_ft.checkpoint_io import AtomicCheckpointIO
+from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
 from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, fsdp_cross_group_hook, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
@@ -673,8 +674,15 @@ class FTStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the shared checkpoint, then give it this rank's own data position: its ``StatefulDataLoader``
-        state from the sidecar, or none (the group then counts its way to the restored batch)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state from the sidecar, or none (the group then counts its way to the restored batch).
+
+        ``weights_only`` defaults to ``True`` (whatever torch's own default): lightning-ft's checkpoints hold plain
+        data only, and a file with other objects is refused rather than unpickled. A file that cannot be read
+        raises :class:`~lightning_ft.checkpoint_io.UnreadableCheckpointError`, naming it and what to do.
+        """
+        weights_only = True if weights_only is None else weights_only
+        load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        checkpoint = load_checked(checkpoint_path, load)
         use_own_position(checkpoint, checkpoint_path, self.replica_group_id, self.global_rank, weights_only)
         return checkpoint
 

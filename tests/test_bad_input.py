@@ -1,15 +1,37 @@
 """Bad input fails fast with an error that names the setting and the fix (more cases: test_settings.py,
-test_semi_sync_settings.py, test_state.py for incompatible replicas, test_data_position.py for corrupt sidecars)."""
+test_semi_sync_settings.py, test_state.py and test_incompatible_replicas.py for replicas whose models differ,
+test_checkpoint_loading.py for corrupt checkpoints, test_data_position.py for corrupt sidecars)."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 
 import lightning.pytorch as pl
 import pytest
+from harness import REPO
 from lightning.pytorch.demos.boring_classes import BoringModel
+from test_cli import clean_env
 
 from lightning_ft import FTStrategy
+
+CLI_DRIVER = REPO / "tests" / "workers" / "cli_driver.py"
+
+# (init_args line of the YAML, what the error must say, exit code): LightningCLI's parser (jsonargparse) refuses
+# wrong types and unknown keys with a usage error (exit 2); FTStrategy's own checks run when the CLI instantiates
+# the strategy (an uncaught exception: exit 1).
+BAD_YAML = [
+    ("min_replica_size: -1", "min_replica_size=-1: must be at least 1", 1),
+    ("min_replica_size: 3", "min_replica_size=3 is larger than num_replica_groups=1", 1),
+    ("timeout: 0", "timeout=0.0: must be a positive number of seconds", 1),
+    ("quorum_timeout: -5", "quorum_timeout=-5.0: must be a positive number of seconds", 1),
+    ("algorithm: bogus", "algorithm='bogus': choose one of ddp, local_sgd, diloco", 1),
+    ("checkpoint_transport: carrier-pigeon", "checkpoint_transport='carrier-pigeon': choose one of http, pg", 1),
+    ('timeout: "soon"', "Parser key \"timeout\":\n          Expected a <class 'float'>. Got value: soon", 2),
+    ("timout: 30", "Option 'timout' is not accepted", 2),
+]
 
 
 def _closed_port() -> int:
@@ -36,3 +58,31 @@ def test_an_unreachable_lighthouse_is_reported_within_connect_timeout(tmp_path, 
     )
     with pytest.raises(RuntimeError, match=rf"{url}.*connect_timeout"):
         trainer.fit(BoringModel())
+
+
+@pytest.mark.timeout(300)
+def test_invalid_yaml_values_stop_the_cli_naming_the_setting(tmp_path):
+    """Every bad value in a LightningCLI YAML file stops ``examples/train.py fit`` before training, with a non-zero
+    exit code and a message that names the setting. The subprocess timeout is the bound: the CLI must not hang."""
+    configs = []
+    for index, (line, _, _) in enumerate(BAD_YAML):
+        config = tmp_path / f"bad{index}.yaml"
+        config.write_text(
+            "trainer:\n  max_steps: 1\n  logger: false\n  strategy:\n    class_path: lightning_ft.FTStrategy\n"
+            f"    init_args:\n      {line}\n"
+        )
+        configs.append(str(config))
+    result = subprocess.run(
+        [sys.executable, str(CLI_DRIVER), *configs],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [outcome["config"] for outcome in outcomes] == configs, result.stdout[-3000:]
+    for (line, message, exit_code), outcome in zip(BAD_YAML, outcomes, strict=True):
+        assert outcome["exit_code"] == exit_code, f"{line}: exit code {outcome['exit_code']}\n{outcome['stderr']}"
+        assert message in outcome["stderr"], f"{line}: the error does not say {message!r}\n{outcome['stderr']}"

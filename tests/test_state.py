@@ -10,6 +10,7 @@ from lightning_ft.state import (
     IncompatibleReplicaError,
     apply_training_state,
     capture_training_state,
+    check_training_state,
     state_fingerprint,
 )
 
@@ -54,3 +55,25 @@ def test_a_peer_with_other_optimizers_is_refused(fitted):
     state["optimizers"] = state["optimizers"] * 2
     with pytest.raises(IncompatibleReplicaError, match="2 optimizers"):
         apply_training_state(fitted, state)
+
+
+def test_a_peer_with_one_renamed_parameter_is_refused_before_anything_loads(fitted):
+    """``load_state_dict(strict=True)`` copies every matching tensor before it complains about the others, so the
+    names are compared first: a refused state leaves this replica exactly as it was."""
+    before = state_fingerprint(fitted)
+    state = capture_training_state(fitted)
+    model = {name: torch.zeros_like(tensor) for name, tensor in state["model"].items()}
+    model["net.0.kernel"] = model.pop("net.0.weight")
+    with pytest.raises(
+        IncompatibleReplicaError, match=r"only here: 'net\.0\.weight'; .*only on the peer: 'net\.0\.kernel'"
+    ):
+        apply_training_state(fitted, {**state, "model": model})
+    assert state_fingerprint(fitted) == before
+
+
+def test_checking_a_state_loads_nothing(fitted):
+    before = state_fingerprint(fitted)
+    state = capture_training_state(fitted)
+    state["model"] = {name: torch.zeros_like(tensor) for name, tensor in state["model"].items()}
+    check_training_state(fitted, state)
+    assert state_fingerprint(fitted) == before

@@ -11,7 +11,14 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager
-from lightning_ft.state import STATE_KEY, align_step_counters, apply_training_state, capture_training_state
+from lightning_ft.manager import FTManager
+from lightning_ft.state import (
+    STATE_KEY,
+    align_step_counters,
+    apply_training_state,
+    capture_training_state,
+    check_training_state,
+)
 
 # A child of Lightning's logger, so it prints wherever Lightning's messages do, but on every group: a heal is news
 # about this group, and Lightning's rank-zero messages come from group 0 only.
@@ -24,7 +31,8 @@ class StateTransferCallback(Callback):
     The Manager calls :func:`~lightning_ft.state.capture_training_state` on a live peer and
     :func:`~lightning_ft.state.apply_training_state` on the healing replica, on the training thread, at a safe point
     (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's step
-    counters jump to the peer's committed step.
+    counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
+    arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
     """
 
     @override
@@ -49,3 +57,5 @@ class StateTransferCallback(Callback):
             events.emit("healed", step=step)
 
         manager.register_state_dict_fn(STATE_KEY, load, save)
+        if isinstance(manager, FTManager):  # refuse another model before any collective with the peer
+            manager.register_heal_check(STATE_KEY, lambda state: check_training_state(trainer, state))

@@ -28,10 +28,15 @@ from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck, e
 
 class Regressor(pl.LightningModule):
     def __init__(
-        self, lr: float = 0.01, manual: bool = False, sync_train_log: bool = False, optimizer: str = "adamw"
+        self,
+        lr: float = 0.01,
+        manual: bool = False,
+        sync_train_log: bool = False,
+        optimizer: str = "adamw",
+        hidden: int = 32,
     ) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
         self.lr = lr
         self.optimizer_name = optimizer
         self.automatic_optimization = not manual
@@ -296,6 +301,12 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=None, help="the same initial weights in every group")
+    parser.add_argument(
+        "--hidden-for-group",
+        default=None,
+        metavar="G:W",
+        help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
+    )
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -368,7 +379,13 @@ def main() -> None:
     val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
     if args.seed is not None:  # the weights a test can rebuild: nothing above may draw from the generator first
         torch.manual_seed(args.seed)
-    model = Regressor(lr=args.lr, manual=args.manual, sync_train_log=args.sync_train_log, optimizer=args.optimizer)
+    hidden = 32
+    if args.hidden_for_group is not None:
+        odd_group, width = (int(part) for part in args.hidden_for_group.split(":"))
+        hidden = width if group == odd_group else hidden
+    model = Regressor(
+        lr=args.lr, manual=args.manual, sync_train_log=args.sync_train_log, optimizer=args.optimizer, hidden=hidden
+    )
     trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
     if args.evaluate_after:
         trainer.validate(model, val_loader)

@@ -1,0 +1,80 @@
+"""torchft's HTTP checkpoint transport, as a healing group should run it.
+
+The HTTP transport is how a restarted group receives a live peer's whole training state. torchft 0.2.0's version
+gets three things wrong for us, and this subclass changes exactly those:
+
+* **What it loads.** It unpickles the peer's payload with ``weights_only=False``, which runs whatever code the bytes
+  name, from whichever address the quorum handed out. The state lightning-ft sends is plain data (tensors, numbers,
+  strings, containers), so it is loaded with ``weights_only=True``; a payload naming another object is refused with
+  :class:`RefusedPeerStateError`, which no retry can fix.
+* **What it advertises.** It tells peers to fetch from ``socket.gethostname()``, whatever address the Manager was
+  told to advertise; on a cluster that may resolve onto the slow interface (torchft issue 329). It advertises the
+  group's chosen ``hostname`` instead.
+* **Where it listens.** It listens on every interface. For a group that advertises a loopback address (a job on one
+  machine) it is rebound to that address, so the full weights are not served to the network.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import urllib.request
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+
+from torch.distributed._serialization import _streaming_load
+from torchft.checkpointing import HTTPTransport
+from typing_extensions import override
+
+from lightning_ft.addresses import family_of, is_loopback, numeric_host, url_host
+from lightning_ft.checkpoint_io import refused_global
+
+
+class RefusedPeerStateError(RuntimeError):
+    """A live peer's state holds an object that ``weights_only=True`` refuses. Retrying cannot help."""
+
+
+class _ThreadingServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # as torchft's: every rank of every healing group may ask at once
+
+
+class CheckpointHTTPTransport(HTTPTransport):
+    """torchft's HTTP transport: plain-data loads, the group's own advertised address, loopback when local."""
+
+    def __init__(self, hostname: str, timeout: timedelta, num_chunks: int = 0) -> None:
+        self._advertised = url_host(hostname)  # before torchft's constructor, which logs address()
+        super().__init__(timeout=timeout, num_chunks=num_chunks)
+        if is_loopback(hostname):
+            self._rebind(numeric_host(hostname))
+
+    def _rebind(self, host: str) -> None:
+        """Replace the server torchft started on every interface by one on ``host``, with the same handler."""
+        handler = self._server.RequestHandlerClass
+        self._server.shutdown()
+        self._server.server_close()
+        server_class = type("_BoundServer", (_ThreadingServer,), {"address_family": family_of(host)})
+        self._server = server_class((host, 0), handler)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @override
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        return f"http://{self._advertised}:{port}/checkpoint/"
+
+    @classmethod
+    @override
+    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
+            try:
+                return _streaming_load(stream, weights_only=True)
+            except pickle.UnpicklingError as error:
+                refused = refused_global(error)
+                if refused is None:  # damaged on the way: torchft reports it and the next quorum fetches again
+                    raise
+                raise RefusedPeerStateError(
+                    f"lightning-ft: the live peer's training state (from {address}) holds an object that a safe load "
+                    f"(weights_only=True) refuses: {refused} Everything in it must be plain data (tensors, numbers, "
+                    f"strings, containers), callbacks' state_dict() included; or allow the type with "
+                    f"torch.serialization.add_safe_globals([...]) in every replica group."
+                ) from error
