@@ -108,7 +108,9 @@ class FTStrategy(DDPStrategy):
             and for ``data_parallel="fsdp"`` (which refuses ``True``).
         timeout: Seconds for cross-group collectives, the commit vote and state transfer.
         quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
-        connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
+        connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer. A connection either
+            opens within seconds or the address is wrong, so the default (20, torchft's is 60) reports a wrong
+            lighthouse URL well within a minute.
         init_sync: Heal every group from one peer at step 0, so groups may start from different random weights.
             Set ``False`` only if every group initialises identically.
         max_retries: Stop with an error after this many consecutive uncommitted steps. ``None`` retries forever.
@@ -161,7 +163,7 @@ class FTStrategy(DDPStrategy):
         use_async_quorum: bool | None = None,
         timeout: float = 60.0,
         quorum_timeout: float = 60.0,
-        connect_timeout: float = 60.0,
+        connect_timeout: float = 20.0,
         init_sync: bool = True,
         max_retries: int | None = None,
         process_group: str = "auto",

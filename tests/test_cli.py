@@ -53,11 +53,10 @@ def test_command_line_class_path_and_init_args_reach_the_strategy():
 
 
 def test_invalid_yaml_value_fails_fast_naming_the_setting():
-    started = time.monotonic()
+    """Bounded by the subprocess timeout (``run``), not asserted as a time: imports alone vary with the machine."""
     result = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", "--trainer.strategy.init_args.timeout=-1"])
     assert result.returncode != 0
     assert "timeout=-1" in result.stderr
-    assert time.monotonic() - started < 60
 
 
 def test_launch_reports_a_group_that_runs_out_of_restarts():
