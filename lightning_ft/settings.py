@@ -1,9 +1,9 @@
 """Every FTStrategy setting in one place: environment fallbacks and validation.
 
 Settings arrive from three places: constructor arguments (and so LightningCLI YAML), environment variables set by a
-launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``), and defaults. They are resolved and
-checked once, up front, so that a wrong value fails at construction with a message that names the setting and the
-fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
+launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LIGHTNING_FT_HOSTNAME``), and
+defaults. They are resolved and checked once, up front, so that a wrong value fails at construction with a message
+that names the setting and the fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TRANSPORTS: tuple[str, ...] = ("http", "pg")
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 
 
 class FTConfigError(ValueError):
@@ -66,6 +67,10 @@ class FTSettings:
     hostname: str
     replica_id_prefix: str
     skip_non_finite_steps: bool = True
+    # Whether ``hostname`` was chosen (argument or LIGHTNING_FT_HOSTNAME) rather than defaulted to the machine's
+    # hostname. Only a chosen address is also bound by the cross-group Gloo process group (see lightning_ft.manager);
+    # by default Gloo keeps its own choice, which honours GLOO_SOCKET_IFNAME.
+    hostname_chosen: bool = False
 
     @property
     def replica_id(self) -> str:
@@ -104,6 +109,7 @@ def resolve_settings(
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
     num_groups = _int_from_env("num_replica_groups", ENV_NUM_REPLICA_GROUPS, num_replica_groups, 1)
     lighthouse = lighthouse or os.environ.get(ENV_LIGHTHOUSE) or None
+    hostname = hostname or os.environ.get(ENV_HOSTNAME) or None
 
     if num_groups < 1:
         raise FTConfigError(f"num_replica_groups={num_groups}: must be at least 1.")
@@ -150,4 +156,5 @@ def resolve_settings(
         hostname=hostname or socket.gethostname(),
         replica_id_prefix=replica_id_prefix,
         skip_non_finite_steps=bool(skip_non_finite_steps),
+        hostname_chosen=hostname is not None,
     )
