@@ -1,10 +1,12 @@
 """Where this process's fault-tolerance listeners bind, and the address they advertise to peers.
 
-A replica group opens three listeners of its own besides torch's: the group's TCPStore (group rank 0), torchft's
+A replica group opens four listeners of its own besides torch's: the group's TCPStore (group rank 0), torchft's
 ManagerServer (group rank 0; quorum and commit RPCs), and the HTTP checkpoint server (every rank; it serves the
-*full training state* to any client that asks). torchft binds the last two to every interface, which is wrong for a
-job that lives on one machine, where nothing should be reachable from the network. This module handles the store and
-the ManagerServer; :mod:`lightning_ft.http_transport` handles the checkpoint server the same way.
+*full training state* to any client that asks), and the cross-group Gloo process group (every rank). torchft binds
+the ManagerServer and the checkpoint server to every interface, which is wrong for a job that lives on one machine,
+where nothing should be reachable from the network; and Gloo binds to whatever the machine's name resolves to, which
+is wrong for a group that advertises another address (another network namespace, another interface). This module
+handles the store, the ManagerServer and Gloo; :mod:`lightning_ft.http_transport` handles the checkpoint server.
 
 The rule here is simple: a group that advertises a loopback address can only be reached from this machine anyway, so
 its listeners bind to that loopback address. Any other advertised address keeps torchft's bind-everything default
@@ -19,10 +21,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torchft.manager
-from torch.distributed import TCPStore
+from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
+from torch.distributed import Store, TCPStore
+from torchft import ProcessGroupGloo
 
 from lightning_ft.addresses import family_of, is_loopback, numeric_host, url_host
 
@@ -77,3 +84,39 @@ def manager_server_bound_to(hostname: str) -> Iterator[None]:
         yield
     finally:
         torchft.manager.ManagerServer = original  # type: ignore[misc]
+
+
+class AddressedProcessGroupGloo(ProcessGroupGloo):
+    """torchft's reconfigurable Gloo process group, bound to the group's chosen address.
+
+    Gloo's default device binds to the address the machine's hostname resolves to, or loopback if that address is
+    not local, and peers connect to whatever it bound: from another host or namespace, loopback is the peer's own.
+    torch's Python constructor only picks a device from ``GLOO_SOCKET_IFNAME`` or that default, so this builds the
+    backend with a device for the chosen address instead. The rest mirrors ``torchft.ProcessGroupGloo._create_pg``
+    (torchft 0.2.0).
+    """
+
+    def __init__(self, hostname: str, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self._hostname = hostname
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
+        options = BaseProcessGroupGloo._Options()
+        options._devices = [BaseProcessGroupGloo.create_device(hostname=self._hostname)]
+        options._timeout = self._timeout
+        options._threads = 2  # what torch's constructor gives one device
+        backend = BaseProcessGroupGloo(store, rank, world_size, options)
+        backend._set_sequence_number_for_group()
+        if self._global_ranks:
+            backend.options.global_ranks_in_group = self._global_ranks
+        if self._group_rank and self._group_world_size:
+            backend.options.group_name = (
+                f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+            )
+        pg = dist.ProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        for device in ("cuda", "xpu"):
+            if getattr(torch, device).is_available():
+                pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
+        return pg

@@ -23,11 +23,17 @@ Two more things a healing group must get right, which torchft 0.2.0 leaves to it
   allreduce first, where Gloo aborts the *healthy* peer's process on the size mismatch. :class:`FTManager` runs the
   registered checks on the received state as soon as the quorum is known, so the healing group fails alone, with
   an error naming the parameter and both shapes.
+
+Peers reach a group at its advertised address (``FTSettings.advertised_hostname``): its store, Manager server, HTTP
+checkpoint server and cross-group Gloo process group all follow it, so one setting makes a group reachable from
+another host (see :mod:`lightning_ft.listeners`; tests/test_network_partition.py runs groups in separate network
+namespaces, where torchft's defaults are unreachable).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +50,7 @@ from typing_extensions import override
 from lightning_ft.addresses import is_loopback, numeric_host
 from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
-from lightning_ft.listeners import group_store, manager_server_bound_to
+from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.settings import FTSettings
 
 log = logging.getLogger(__name__)
@@ -116,8 +122,12 @@ class ManagerHandle:
             self.lighthouse.shutdown()
 
 
-def cross_group_process_group(settings: FTSettings, device: torch.device) -> ProcessGroup:
-    """The reconfigurable process group that carries collectives between replica groups."""
+def cross_group_process_group(settings: FTSettings, device: torch.device, hostname: str) -> ProcessGroup:
+    """The reconfigurable process group that carries collectives between replica groups.
+
+    Gloo binds to the advertised address when the user chose one or it is loopback, unless ``GLOO_SOCKET_IFNAME``
+    says otherwise; by default it keeps its own choice (the address the machine's name resolves to).
+    """
     name = settings.process_group
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
@@ -125,6 +135,9 @@ def cross_group_process_group(settings: FTSettings, device: torch.device) -> Pro
         if device.type != "cuda":
             raise ValueError(f"process_group='nccl' needs a CUDA device, but this process trains on {device}.")
         return ProcessGroupNCCL(timeout=settings.timeout)
+    chosen = settings.hostname is not None or is_loopback(hostname)
+    if chosen and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        return AddressedProcessGroupGloo(hostname, timeout=settings.timeout)
     return ProcessGroupGloo(timeout=settings.timeout)
 
 
@@ -170,7 +183,7 @@ def build_manager(
         log.info("lightning-ft: no lighthouse configured; started one in process at %s", lighthouse_addr)
 
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
-    pg = cross_group_process_group(settings, device)
+    pg = cross_group_process_group(settings, device, hostname)
     with manager_server_bound_to(hostname):
         manager = FTManager(
             pg=pg,

@@ -2,9 +2,8 @@
 
 Settings arrive from three places: constructor arguments (and so LightningCLI YAML), environment variables set by a
 launcher (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``LIGHTNING_FT_HOSTNAME``), and
-defaults. They are resolved and
-checked once, up front, so that a wrong value fails at construction with a message that names the setting and the
-fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
+defaults. They are resolved and checked once, up front, so that a wrong value fails at construction with a message
+that names the setting and the fix, instead of as a hang or a cryptic error deep inside torchft minutes later.
 """
 
 from __future__ import annotations
@@ -68,7 +67,8 @@ class FTSettings:
     max_retries: int | None
     process_group: ProcessGroupName
     checkpoint_transport: TransportName
-    # None: decided at setup by `advertised_hostname`, once the number of nodes is known.
+    # Chosen (argument or LIGHTNING_FT_HOSTNAME), or None: decided at setup by `advertised_hostname`, once the
+    # number of nodes is known.
     hostname: str | None
     replica_id_prefix: str
     skip_non_finite_steps: bool = True

@@ -32,6 +32,7 @@ class LaunchedJob:
     process: subprocess.Popen[bytes]
     root: Path
     log_file: Any = field(repr=False)
+    log_name: str = "launch.log"  # several launchers may share one root (and event log), each with its own log
 
     @property
     def events_dir(self) -> Path:
@@ -43,7 +44,7 @@ class LaunchedJob:
 
     @property
     def log_path(self) -> Path:
-        return self.root / "launch.log"
+        return self.root / self.log_name
 
     def events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
         if not self.events_dir.exists():
@@ -129,9 +130,17 @@ def launch_job(
     nproc_per_group: int = 1,
     max_restarts: int = 2,
     launcher_args: list[str] | None = None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+    log_name: str = "launch.log",
 ) -> LaunchedJob:
+    """Start ``lightning-ft launch`` with the test worker under ``root``.
+
+    ``wrap`` turns the launcher's argv into the command to run (e.g. on a test host in a network namespace, which
+    must keep the PID: ``ip netns exec`` does); ``env`` adds environment variables.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    log_file = open(root / "launch.log", "wb")  # noqa: SIM115 - closed by LaunchedJob.stop
+    log_file = open(root / log_name, "wb")  # noqa: SIM115 - closed by LaunchedJob.stop
     command = [
         sys.executable,
         "-m",
@@ -148,8 +157,17 @@ def launch_job(
         f"--out-dir={root / 'out'}",
         *(arg.format(root=root) for arg in worker_args),
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    return LaunchedJob(process=process, root=root, log_file=log_file)
+    if wrap is not None:
+        command = wrap(command)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **env} if env else None,
+    )
+    return LaunchedJob(process=process, root=root, log_file=log_file, log_name=log_name)
 
 
 def process_gone(pid: int) -> bool:

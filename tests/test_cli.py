@@ -78,6 +78,30 @@ def test_launch_sets_the_group_environment_and_exits_zero_when_all_groups_finish
     assert "[group 1] env 1 2 True 1" in result.stdout
 
 
+def test_launch_starts_only_the_given_groups_against_an_external_lighthouse():
+    script = (
+        "import os; print('env', os.environ['REPLICA_GROUP_ID'], os.environ['NUM_REPLICA_GROUPS'], "
+        "os.environ['TORCHFT_LIGHTHOUSE'])"
+    )
+    result = run(lightning_ft("launch", "--replica-groups=4", "--group-ids=3,1", "--lighthouse=http://lh:29510",
+                              "--", "python", "-c", script))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[group 3] env 3 4 http://lh:29510" in result.stdout
+    assert "[group 1] env 1 4 http://lh:29510" in result.stdout
+    assert "[group 0]" not in result.stdout and "[group 2]" not in result.stdout
+    assert "starting group(s) 3,1 here" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("group_ids", "message"),
+    [("1,1", "distinct ids in [0, --replica-groups=2)"), ("2", "distinct ids"), ("0,x", "comma-separated")],
+)
+def test_launch_refuses_bad_group_ids(group_ids, message):
+    result = run(lightning_ft("launch", "--replica-groups=2", f"--group-ids={group_ids}", "--", "python", "-c", "1"))
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
 def test_launch_stops_everything_it_started_on_sigterm(tmp_path):
     script = (
         f"import os, time; open(f'{tmp_path}/pid.' + os.environ['REPLICA_GROUP_ID'], 'w').write(str(os.getpid()));"

@@ -32,6 +32,13 @@ STOP_GRACE_SECONDS = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-groups", type=int, required=True, help="number of replica groups (N)")
+    parser.add_argument(
+        "--group-ids",
+        type=parse_group_ids,
+        default=None,
+        metavar="G1,G2,...",
+        help="start only these of the N groups (default: all); the others run elsewhere and join the same --lighthouse",
+    )
     parser.add_argument("--nproc-per-group", type=int, default=1, help="processes per group (K, default: 1)")
     parser.add_argument(
         "--max-restarts", type=int, default=3, help="torchrun restarts per group before giving up (default: 3)"
@@ -83,6 +90,14 @@ class ReplicaGroup:
 
     group_id: int
     process: subprocess.Popen[bytes]
+
+
+def parse_group_ids(text: str) -> tuple[int, ...]:
+    """``"2,3"`` -> ``(2, 3)``. Range and duplicates are checked in :func:`run`, which knows ``--replica-groups``."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of group ids") from None
 
 
 def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) -> list[str]:
@@ -179,8 +194,12 @@ def chaos_schedule(args: argparse.Namespace) -> ChaosSchedule | None:
     count = args.chaos_count if args.chaos_count is not None else max(1, len(args.chaos_at_steps))
     if args.chaos_at_steps and count > len(args.chaos_at_steps):
         raise ValueError(f"--chaos-count={count} exceeds the {len(args.chaos_at_steps)} steps of --chaos-at-steps")
-    if args.replica_groups < 2:
-        raise ValueError("--chaos-* needs --replica-groups of at least 2: it never kills the last group that is up")
+    started_groups = len(args.group_ids) if args.group_ids is not None else args.replica_groups
+    if started_groups < 2:
+        raise ValueError(
+            "--chaos-* needs at least 2 groups started here: it never kills the last group that is up, and it "
+            "only kills groups this launcher started"
+        )
     return ChaosSchedule(
         count=count, every_seconds=args.chaos_every, at_steps=args.chaos_at_steps, seed=args.chaos_seed
     )
@@ -207,6 +226,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    group_ids = args.group_ids if args.group_ids is not None else tuple(range(args.replica_groups))
+    if len(set(group_ids)) != len(group_ids) or not all(0 <= g < args.replica_groups for g in group_ids):
+        print(
+            f"lightning-ft launch: --group-ids={','.join(map(str, group_ids))}: give distinct ids in "
+            f"[0, --replica-groups={args.replica_groups}).",
+            file=sys.stderr,
+        )
+        return 2
+
     try:
         schedule = chaos_schedule(args)
     except ValueError as error:
@@ -227,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         )
         url = lighthouse.address
-    print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s)", flush=True)
+    started = "" if args.group_ids is None else f", starting group(s) {','.join(map(str, group_ids))} here"
+    print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s){started}", flush=True)
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -240,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     groups: list[ReplicaGroup] = []
     relays: list[threading.Thread] = []
     try:
-        for group_id in range(args.replica_groups):
+        for group_id in group_ids:
             process = subprocess.Popen(
                 torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
                 env=group_environment(group_id, args.replica_groups, url, events_dir),

@@ -1,0 +1,84 @@
+"""The address a group advertises to its peers: ``hostname`` / ``LIGHTNING_FT_HOSTNAME`` reaches every channel.
+
+torchft puts the chosen hostname into the Manager server's and the store's addresses only; its HTTP checkpoint
+server advertises ``socket.gethostname()`` and its Gloo process group binds where that name resolves. These checks
+run in one process; tests/test_network_partition.py shows groups reaching each other across network namespaces.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import ReduceOp, TCPStore
+from torchft import ProcessGroupGloo
+
+from lightning_ft import FTStrategy
+from lightning_ft.http_transport import CheckpointHTTPTransport
+from lightning_ft.listeners import AddressedProcessGroupGloo
+from lightning_ft.manager import checkpoint_transport, cross_group_process_group
+
+CPU = torch.device("cpu")
+
+
+def test_the_hostname_defaults_to_the_machine_name_and_is_not_bound_by_gloo(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_FT_HOSTNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    settings = FTStrategy(lighthouse="http://lighthouse:29510").settings
+    assert settings.hostname is None
+    hostname = settings.advertised_hostname(num_nodes=1)
+    assert hostname == socket.gethostname()
+    assert type(cross_group_process_group(settings, CPU, hostname)) is ProcessGroupGloo
+
+
+def test_one_node_with_the_embedded_lighthouse_advertises_loopback(monkeypatch):
+    for name in ("LIGHTNING_FT_HOSTNAME", "TORCHFT_LIGHTHOUSE", "NUM_REPLICA_GROUPS", "REPLICA_GROUP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    settings = FTStrategy().settings
+    assert settings.advertised_hostname(num_nodes=1) == "127.0.0.1"
+    assert settings.advertised_hostname(num_nodes=2) == socket.gethostname()  # other nodes must reach the store
+
+
+def test_the_environment_chooses_the_hostname_and_the_argument_wins(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FT_HOSTNAME", "group1.example")
+    settings = FTStrategy().settings
+    assert settings.hostname == settings.advertised_hostname(num_nodes=4) == "group1.example"
+    assert FTStrategy(hostname="10.0.0.7").settings.hostname == "10.0.0.7"
+
+
+def test_a_chosen_hostname_binds_gloo_unless_gloo_socket_ifname_is_set(monkeypatch):
+    settings = FTStrategy(hostname="127.0.0.1").settings
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert isinstance(cross_group_process_group(settings, CPU, "127.0.0.1"), AddressedProcessGroupGloo)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # Gloo's own, more specific setting is honoured
+    assert type(cross_group_process_group(settings, CPU, "127.0.0.1")) is ProcessGroupGloo
+
+
+def test_the_gloo_group_bound_to_a_chosen_address_configures_and_reduces():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = AddressedProcessGroupGloo("127.0.0.1", timeout=timedelta(seconds=30))
+    pg.configure(f"127.0.0.1:{store.port}/lightning_ft_test", "replica0", 0, 1)
+    tensor = torch.arange(4.0)
+    pg.allreduce([tensor], ReduceOp.SUM).wait()
+    assert torch.equal(tensor, torch.arange(4.0))
+    assert pg.getBackendName() == "torchft-gloo"
+
+
+@pytest.mark.parametrize(("hostname", "host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_the_checkpoint_server_advertises_the_chosen_address(hostname, host):
+    settings = FTStrategy(hostname=hostname).settings
+    transport = checkpoint_transport(settings, pg=None, device=CPU, hostname=hostname)  # type: ignore[arg-type]
+    assert isinstance(transport, CheckpointHTTPTransport)
+    try:
+        assert transport.metadata().startswith(f"http://{host}:")
+        state = {"weight": torch.arange(6.0).reshape(2, 3)}
+        transport.send_checkpoint(dst_ranks=[1], step=3, state_dict=state, timeout=timedelta(seconds=30))
+        # A peer fetches from the advertised URL; here this process plays the peer.
+        received = transport.recv_checkpoint(
+            src_rank=0, metadata=transport.metadata(), step=3, timeout=timedelta(seconds=30)
+        )
+        assert torch.equal(received["weight"], state["weight"])
+    finally:
+        transport.shutdown(wait=True)
