@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from torchft import Manager
 
 from lightning_ft import events
+from lightning_ft.telemetry import FTTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,17 @@ class QuorumNotStartedError(RuntimeError):
 
 
 class StepProtocol:
-    """Tracks where the current optimizer step is in the quorum → allreduce → commit sequence."""
+    """Tracks where the current optimizer step is in the quorum → allreduce → commit sequence.
 
-    def __init__(self, manager: Manager) -> None:
+    Args:
+        manager: The group's torchft Manager.
+        telemetry: Told when a step opens its quorum and how each vote went, for the ``ft/`` metrics. Optional, so
+            that the protocol works on its own.
+    """
+
+    def __init__(self, manager: Manager, telemetry: FTTelemetry | None = None) -> None:
         self.manager = manager
+        self.telemetry = telemetry
         self._quorum_open = False
         self._decision: bool | None = None
         self.last_step_committed: bool | None = None
@@ -70,6 +78,8 @@ class StepProtocol:
         """
         if self._quorum_open:
             return
+        if self.telemetry is not None:
+            self.telemetry.step_started()
         self.manager.start_quorum()
         self._quorum_open = True
         self.quorums_opened += 1
@@ -98,8 +108,7 @@ class StepProtocol:
                 ) from self.manager.errored().original_exception
             return self._decision
         self.require_quorum()
-        self._decision = self.manager.should_commit()
-        self.last_step_committed = self._decision
+        self._record(self.manager.should_commit())
         return self._decision
 
     def reject(self, reason: Exception) -> None:
@@ -114,8 +123,13 @@ class StepProtocol:
     def record_commit(self, decision: bool) -> None:
         """Record a vote that torchft took itself (a DiLoCo fragment's ``perform_sync`` calls ``should_commit``)."""
         self.require_quorum()
+        self._record(decision)
+
+    def _record(self, decision: bool) -> None:
         self._decision = decision
         self.last_step_committed = decision
+        if self.telemetry is not None:
+            self.telemetry.step_voted(decision)
 
     def release(self) -> None:
         """End an open quorum without a vote: it only had to find out who is there (every group then knows it is

@@ -52,6 +52,7 @@ from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStat
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
 from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.settings import FTSettings
+from lightning_ft.telemetry import TimedTransport
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class ManagerHandle:
     # Held, not used: on group rank 0 this object *is* the group's store server, which lives as long as it does.
     store: TCPStore | None = None
     lighthouse: EmbeddedLighthouse | None = None
+    # The Manager's checkpoint transport, which times each heal's receive (lightning_ft.telemetry).
+    transport: TimedTransport | None = None
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -180,10 +183,15 @@ def build_manager(
     if settings.needs_embedded_lighthouse and group_rank == 0:
         lighthouse = start_lighthouse(min_replicas=1)
         lighthouse_addr = lighthouse.address
-        log.info("lightning-ft: no lighthouse configured; started one in process at %s", lighthouse_addr)
+        log.info(
+            "lightning-ft: no lighthouse configured; started one in process at %s (status page: %s/)",
+            lighthouse_addr,
+            lighthouse_addr,
+        )
 
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = cross_group_process_group(settings, device, hostname)
+    transport = TimedTransport(checkpoint_transport(settings, pg, device, hostname))
     with manager_server_bound_to(hostname):
         manager = FTManager(
             pg=pg,
@@ -201,8 +209,8 @@ def build_manager(
             lighthouse_addr=lighthouse_addr,
             replica_id=settings.replica_id,
             hostname=hostname,
-            checkpoint_transport=checkpoint_transport(settings, pg, device, hostname),
+            checkpoint_transport=transport,
             init_sync=settings.init_sync,
             max_retries=settings.max_retries,
         )
-    return ManagerHandle(manager=manager, store=store, lighthouse=lighthouse)
+    return ManagerHandle(manager=manager, store=store, lighthouse=lighthouse, transport=transport)

@@ -38,6 +38,13 @@ One job, one writer
 Ranks stay group-local, but two job-wide duties have a single owner: global checkpoints are written by rank 0 of the
 lowest-numbered group in the current quorum (:attr:`FTStrategy.is_checkpoint_writer`, which moves on when that group
 dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to rank 0 of group 0 only.
+
+What fault tolerance did
+------------------------
+Each group measures its own quorum waits, heals and votes (:mod:`lightning_ft.telemetry`, no cross-group traffic);
+:class:`~lightning_ft.callbacks.FaultToleranceMonitor` logs them as ``ft/`` metrics and shows ``replicas P/N`` in the
+progress bar, and every process writes an event log under ``default_root_dir/ft_events`` (:mod:`lightning_ft.events`)
+that ``lightning-ft report`` draws. See ``docs/observability.md``.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ from lightning_ft.position_sidecars import remove_sidecars, save_own_position, u
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
+from lightning_ft.telemetry import FTTelemetry
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -249,6 +257,7 @@ class FTStrategy(DDPStrategy):
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
+        self._telemetry: FTTelemetry | None = None
         self._collectives: CrossGroupCollectives | None = None
         self._patches: list[tuple[object, str]] = []
         self._sigterm_deadline = SigtermDeadline()
@@ -302,6 +311,13 @@ class FTStrategy(DDPStrategy):
         if self._protocol is None:
             raise RuntimeError("FTStrategy.step_protocol is only available while fitting, after setup_environment().")
         return self._protocol
+
+    @property
+    def telemetry(self) -> FTTelemetry:
+        """This group's fault-tolerance figures (quorum waits, heals, votes; see :mod:`lightning_ft.telemetry`)."""
+        if self._telemetry is None:
+            raise RuntimeError("FTStrategy.telemetry is only available while fitting, validating or testing.")
+        return self._telemetry
 
     @property
     def replica_group_id(self) -> int:
@@ -361,16 +377,22 @@ class FTStrategy(DDPStrategy):
             self.lightning_module._device_mesh = self._device_mesh
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
-        events.configure(self.settings.replica_group_id, self.global_rank)
+        events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir)
         # Before Lightning registers its own SIGTERM handler, which then calls this one too.
         self._sigterm_deadline.install()
         self._handle = build_manager(
             self.settings, self.global_rank, self.world_size, self.root_device, num_nodes=self.num_nodes
         )
+        self._telemetry = FTTelemetry(self._handle.manager, self._handle.transport, self.num_replica_groups)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._protocol = StepProtocol(self._handle.manager)
+            self._protocol = StepProtocol(self._handle.manager, self._telemetry)
             self._add_default_callbacks(trainer)
-            events.emit("started", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), ppid=os.getppid())
+            events.emit(
+                "started",
+                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                ppid=os.getppid(),
+                replica_groups=self.num_replica_groups,
+            )
         self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
 
     def _section_position(self) -> tuple[int, int, int]:
@@ -384,6 +406,7 @@ class FTStrategy(DDPStrategy):
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
         from lightning_ft.callbacks import (
             DataPositionCallback,
+            FaultToleranceMonitor,
             ManagerCheckpointCallback,
             QuorumCallback,
             StateTransferCallback,
@@ -391,9 +414,15 @@ class FTStrategy(DDPStrategy):
         )
 
         # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum
-        # (SyncCallback, a sync's quorum).
+        # (SyncCallback, a sync's quorum). FaultToleranceMonitor after QuorumCallback: it reports the step's vote.
         opens_quorums = SyncCallback if self.algorithm.semi_sync else QuorumCallback
-        defaults = [DataPositionCallback, opens_quorums, StateTransferCallback, ManagerCheckpointCallback]
+        defaults = [
+            DataPositionCallback,
+            opens_quorums,
+            StateTransferCallback,
+            ManagerCheckpointCallback,
+            FaultToleranceMonitor,
+        ]
         missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
         trainer.callbacks[0:0] = missing
 
@@ -690,14 +719,12 @@ class FTStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
+        """The ``finished`` event; with the event log asked for explicitly (the fault tests), a fingerprint of the final
+        state too. Never by default: it reads the whole state (with FSDP, gathers it)."""
         if events.enabled():
             trainer = self.lightning_module.trainer
-            events.emit(
-                "finished",
-                step=self.manager.current_step(),
-                global_step=trainer.global_step,
-                fingerprint=state_fingerprint(trainer),
-            )
+            fingerprint = {"fingerprint": state_fingerprint(trainer)} if events.requested() else {}
+            events.emit("finished", step=self.manager.current_step(), global_step=trainer.global_step, **fingerprint)
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -715,3 +742,4 @@ class FTStrategy(DDPStrategy):
             self._handle.shutdown()
             self._handle = None
             self._protocol = None
+            self._telemetry = None

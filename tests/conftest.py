@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import LaunchedJob, launch_job
 
+from lightning_ft.events import ENV_EVENTS_DIR
+
 
 @pytest.fixture(autouse=True)
 def _restore_environment() -> Iterator[None]:
@@ -21,6 +23,14 @@ def _restore_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _event_log_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTStrategy writes its event log under ``default_root_dir`` by default, which for most in-process fits here is
+    the working directory (the repository). Tests turn it off (set but empty), as it was before it became a default;
+    a test that wants it deletes the variable or points it somewhere (``lightning-ft launch --events-dir`` does)."""
+    monkeypatch.setenv(ENV_EVENTS_DIR, "")
 
 
 @pytest.fixture

@@ -76,6 +76,7 @@ def test_launch_sets_the_group_environment_and_exits_zero_when_all_groups_finish
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[group 0] env 0 2 True 1" in result.stdout
     assert "[group 1] env 1 2 True 1" in result.stdout
+    assert re.search(r"^lightning-ft launch: lighthouse status page: http://127\.0\.0\.1:\d+/ ", result.stdout, re.M)
 
 
 def test_launch_starts_only_the_given_groups_against_an_external_lighthouse():

@@ -11,8 +11,11 @@ import torch
 from harness import LaunchedJob, assert_bit_identical
 from matrix import record
 from test_fault_tolerance import GATES, start_together
+from test_observability import PNG_SIGNATURE, ft_rows
 
 from lightning_ft import Failure, FailureInjector, FTConfigError
+from lightning_ft.cli import report
+from lightning_ft.timeline import load_timeline
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -81,11 +84,11 @@ def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int) 
 
 def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
     """Group 1 raises out of its training loop at step 8: torchrun restarts it, it heals from group 0, which never
-    stopped and lost at most the step group 1 died in; no committed step is lost and the replicas end identical."""
+    stopped and lost at most the step group 1 died in; no committed step is lost and the replicas end identical.
+    The same run shows what observability reports about it (:func:`assert_the_failure_is_observed`)."""
     max_steps = 40
-    job = launch(
-        groups=2, worker_args=[f"--max-steps={max_steps}", inject({"kind": "raise", "group": 1, "step": 8}), *GATES]
-    )
+    failure = inject({"kind": "raise", "group": 1, "step": 8})
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", failure, "--csv-logs={root}/logs", *GATES])
     start_together(job, groups=2, nproc=1)
     hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
@@ -95,6 +98,28 @@ def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(lau
     # Group 1 raised after it had joined the step's quorum, so group 0's allreduce of that step fails: at most one.
     assert len(job.events("step", group=0, committed=False)) <= 1, "group 0 lost more than one step"
     record("Exception in one replica's training loop", job, failed_at=injected_at(job), victim=1, survivors=[0])
+    assert_the_failure_is_observed(job)
+
+
+def assert_the_failure_is_observed(job: LaunchedJob) -> None:
+    """Group 0, the job's only logger, logged `ft/participants` 1 of 2 while group 1 was down and 2 otherwise; group
+    1's death is an `exception` event, its heal carries its duration, and the report draws all of it."""
+    [metrics_csv] = (job.root / "logs").rglob("metrics.csv")
+    participants = [row["ft/participants"] for row in ft_rows(str(metrics_csv.parent))]
+    assert set(participants) == {1.0, 2.0}, participants
+    assert participants[-1] == 2.0  # together again at the end
+    [exception] = job.events("exception", group=1)
+    assert exception["type"] == "InjectedFailure" and exception["pid"] == job.events("failure_injected")[0]["pid"]
+    heal = job.events("healed", group=1, pid=job.worker_pid(1, 0))[0]
+    assert heal["receive_seconds"] >= 0 and heal["apply_seconds"] >= 0
+    assert heal["seconds"] == pytest.approx(heal["receive_seconds"] + heal["apply_seconds"])
+    timeline = load_timeline(job.root)
+    assert timeline.num_replica_groups == 2 and timeline.committed_steps == 40
+    assert [mark.kind for mark in timeline.groups[1].failures if mark.kind == "died"] == ["died"]
+    assert any(mark.step > 8 for mark in timeline.groups[1].heals)
+    assert any(point.participants == 1 for point in timeline.groups[0].points)
+    report.render(timeline, job.root / "timeline.png")
+    assert (job.root / "timeline.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
 def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):

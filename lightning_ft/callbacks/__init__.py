@@ -11,12 +11,15 @@
   gradients on one replica at a chosen step.
 * :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
   resume.
+* :class:`FaultToleranceMonitor` logs the ``ft/`` metrics to the Trainer's loggers, shows ``replicas P/N`` in the
+  progress bar, and records exceptions in the event log.
 """
 
 from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
 from lightning_ft.callbacks.consistency import ReplicaConsistencyCheck, ReplicaDivergedError
 from lightning_ft.callbacks.data_position import DataPositionCallback
 from lightning_ft.callbacks.failure_injector import Failure, FailureInjector, InjectedFailure
+from lightning_ft.callbacks.monitor import FaultToleranceMonitor
 from lightning_ft.callbacks.quorum import QuorumCallback
 from lightning_ft.callbacks.sync import SyncCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
@@ -25,6 +28,7 @@ __all__ = [
     "DataPositionCallback",
     "Failure",
     "FailureInjector",
+    "FaultToleranceMonitor",
     "InjectedFailure",
     "ManagerCheckpointCallback",
     "QuorumCallback",

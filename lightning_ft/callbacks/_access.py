@@ -11,6 +11,7 @@ from torchft import Manager
 
 from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.commit import StepProtocol
+from lightning_ft.telemetry import FTTelemetry
 
 
 def has_ft_manager(trainer: pl.Trainer) -> bool:
@@ -43,3 +44,12 @@ def ft_collectives(trainer: pl.Trainer) -> CrossGroupCollectives:
     if not isinstance(collectives, CrossGroupCollectives):
         raise RuntimeError("This callback needs a strategy exposing lightning_ft `collectives`. Use FTStrategy.")
     return collectives
+
+
+def ft_telemetry(trainer: pl.Trainer) -> FTTelemetry | None:
+    """The strategy's fault-tolerance figures, or ``None`` for a strategy that keeps none (they are optional)."""
+    try:
+        telemetry = getattr(trainer.strategy, "telemetry", None)
+    except RuntimeError:  # FTStrategy outside fitting, validating, testing
+        return None
+    return telemetry if isinstance(telemetry, FTTelemetry) else None

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
+from lightning_ft.callbacks.monitor import loss_of
 from lightning_ft.hsdp.shards import holds_shards
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 
@@ -49,11 +50,14 @@ class QuorumCallback(Callback):
         committed = protocol.manager.current_step()
         if protocol.decided:
             if events.enabled():
+                error = protocol.manager.errored()
                 events.emit(
                     "step",
                     step=committed,
                     committed=protocol.last_step_committed,
                     participants=protocol.manager.num_participants(),
+                    loss=loss_of(outputs),
+                    **({"error": repr(error.original_exception)} if error is not None else {}),
                 )
             if protocol.last_step_committed and committed == 1 and trainer.world_size > 1 and not holds_shards(trainer):
                 # (With FSDP each rank holds a different shard; rank r of every group healed from the same group.)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft import events
-from lightning_ft.callbacks._access import ft_manager
+from lightning_ft.callbacks._access import ft_manager, ft_telemetry
 from lightning_ft.manager import FTManager
 from lightning_ft.state import (
     STATE_KEY,
@@ -33,6 +34,9 @@ class StateTransferCallback(Callback):
     (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's step
     counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
     arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
+
+    Each heal is timed: applying the state here, receiving it in the transport (:mod:`lightning_ft.telemetry`). The
+    ``healed`` event and the ``ft/heal_seconds`` metric carry both.
     """
 
     @override
@@ -49,12 +53,34 @@ class StateTransferCallback(Callback):
             return capture_training_state(trainer)
 
         def load(state: dict[str, Any]) -> None:
+            started = time.monotonic()
             apply_training_state(trainer, state)
             step = manager.current_step()
             if steps_follow_manager:
                 align_step_counters(trainer, step)
-            log.info("lightning-ft: healed from a live peer at committed step %d", step)
-            events.emit("healed", step=step)
+            applied = time.monotonic() - started
+            telemetry = ft_telemetry(trainer)
+            heal = telemetry.healed(step, applied) if telemetry is not None else None
+            if heal is not None and heal.receive_seconds is not None:
+                log.info(
+                    "lightning-ft: healed from a live peer at committed step %d in %.2f s (received in %.2f s, "
+                    "applied in %.2f s)",
+                    step,
+                    heal.seconds,
+                    heal.receive_seconds,
+                    heal.apply_seconds,
+                )
+            else:
+                log.info(
+                    "lightning-ft: healed from a live peer at committed step %d (applied in %.2f s)", step, applied
+                )
+            events.emit(
+                "healed",
+                step=step,
+                seconds=heal.seconds if heal is not None else applied,
+                receive_seconds=heal.receive_seconds if heal is not None else None,
+                apply_seconds=applied,
+            )
 
         manager.register_state_dict_fn(STATE_KEY, load, save)
         if isinstance(manager, FTManager):  # refuse another model before any collective with the peer

@@ -62,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=LOCAL_JOIN_TIMEOUT_MS,
         help="embedded lighthouse: wait this long for heartbeating groups to join a new quorum (default: %(default)s)",
     )
-    parser.add_argument("--events-dir", default=None, help=f"write the JSONL event log here (sets {ENV_EVENTS_DIR})")
+    parser.add_argument(
+        "--events-dir",
+        default=None,
+        help=f"write every group's JSONL event log here (sets {ENV_EVENTS_DIR}; default: each group's "
+        f"<default_root_dir>/ft_events)",
+    )
     parser.add_argument(
         "--finish-grace",
         type=float,
@@ -155,6 +160,12 @@ def local_listener_environment(lighthouse: str, env: dict[str, str]) -> dict[str
     if "GLOO_SOCKET_IFNAME" not in env and interface is not None:
         extra["GLOO_SOCKET_IFNAME"] = interface
     return extra
+
+
+def status_page_line(lighthouse: str) -> str:
+    """Where to watch the job: the lighthouse serves an HTML status page (the quorum, each group's heartbeat) at its
+    own address. Printed on a line of its own, near the top of the launcher's output, so it is easy to find."""
+    return f"lighthouse status page: {lighthouse.rstrip('/')}/ (open in a browser: quorum, participants, heartbeats)"
 
 
 def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> None:
@@ -257,6 +268,13 @@ def run(args: argparse.Namespace) -> int:
         url = lighthouse.address
     started = "" if args.group_ids is None else f", starting group(s) {','.join(map(str, group_ids))} here"
     print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s){started}", flush=True)
+    print(f"lightning-ft launch: {status_page_line(url)}", flush=True)
+    if args.events_dir is not None:
+        print(
+            f"lightning-ft launch: event log in {os.path.abspath(args.events_dir)}; draw it with "
+            f"`lightning-ft report {args.events_dir} -o timeline.png`",
+            flush=True,
+        )
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

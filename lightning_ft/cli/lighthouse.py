@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         quorum_tick_ms=args.quorum_tick_ms,
     )
     print(f"lightning-ft lighthouse: listening on {lighthouse.address}", flush=True)
+    print(f"lightning-ft lighthouse: status page {lighthouse.address}/ (open in a browser)", flush=True)
     stop.wait()
     lighthouse.shutdown()
     print("lightning-ft lighthouse: stopped", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_ft.cli import launch, lighthouse
+from lightning_ft.cli import launch, lighthouse, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
             usage="lightning-ft launch --replica-groups N [options] -- CMD ...",
         )
     )
+    report.add_arguments(
+        commands.add_parser(
+            "report",
+            help="draw a run's fault-tolerance timeline (participants, heals, failures, loss) from its event logs",
+        )
+    )
     return parser
 
 
@@ -26,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "lighthouse":
         return lighthouse.run(args)
+    if args.command == "report":
+        return report.run(args)
     return launch.run(args)
 
 

@@ -1,0 +1,143 @@
+"""The ``ft/`` metrics for the Trainer's loggers, ``replicas P/N`` in the progress bar, exceptions in the event log."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks.progress import ProgressBar
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_ft import events
+from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
+
+PREFIX = "ft/"
+
+
+def loss_of(outputs: Any) -> float | None:
+    """The training loss of a batch from what ``training_step`` returned (``{"loss": ...}`` or a scalar tensor)."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return float(loss.detach())
+    return None
+
+
+class FaultToleranceMonitor(Callback):
+    """Reports what fault tolerance did, the way Lightning's ``LearningRateMonitor`` reports learning rates.
+
+    **Metrics.** At the end of a training batch, whenever Lightning logs its own step metrics (every
+    ``log_every_n_steps``), each of ``trainer.loggers`` gets the ``ft/`` metrics through ``logger.log_metrics`` at the
+    step Lightning logs that batch's metrics at (``QuorumCallback`` keeps it on committed steps), so they line up
+    with the loss. A batch in which this group healed is always logged, so every heal's duration reaches the loggers.
+    Why the loggers directly and not ``LightningModule.log``: the values are plain Python numbers that need no
+    device tensor, no reduction and no place in ``callback_metrics``; ``self.log`` would turn each into a tensor on
+    the device every batch. Nothing here is reduced or exchanged across groups (no ``sync_dist``): every figure is
+    this group's own (:mod:`lightning_ft.telemetry`), and Lightning's rank-zero rule, which FTStrategy makes
+    job-wide, lets group 0's rank 0 write them. With no logger or ``log_every_n_steps=0`` nothing is logged.
+
+    ====================================  ===================================================================
+    ``ft/participants``                   replica groups in the latest quorum
+    ``ft/quorum_id``                      the lighthouse's id of that quorum (it changes when membership does)
+    ``ft/committed_steps``                the Manager's committed step count (the same in every group)
+    ``ft/uncommitted_steps``              votes of this group that did not commit, in this process
+    ``ft/non_finite_skips``               of those, steps every replica skipped for a non-finite gradient
+    ``ft/batches_committed``              torchft's count: the sum of participants over committed steps
+    ``ft/heals``                          heals of this group, in this process
+    ``ft/heal_seconds``                   the latest heal's duration (receive + apply); from the first heal on
+    ``ft/quorum_wait_seconds``            how long this step's training thread waited for its quorum
+    ``ft/quorum_wait_seconds_total``      all quorum waits of this process, sync sections included
+    ====================================  ===================================================================
+
+    **Progress bar.** ``replicas P/N`` (participants of the latest quorum / ``num_replica_groups``), through the
+    progress bar's ``get_metrics``, Lightning's documented place to add items. It is wrapped on the progress bar
+    instance for the duration of the run, so TQDM, Rich and a user's own progress bar all show it, and a user's own
+    ``get_metrics`` override keeps working. Every group's rank 0 shows its own bar.
+
+    **Exceptions.** An exception that ends the run is recorded as an ``exception`` event (its type, message and the
+    committed step), for ``lightning-ft report``.
+
+    Args:
+        progress_bar: Show ``replicas P/N`` in the progress bar.
+    """
+
+    def __init__(self, progress_bar: bool = True) -> None:
+        self.progress_bar = progress_bar
+        self._heals_logged = 0
+        self._wrapped_bar: ProgressBar | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._heals_logged = 0
+        bar = trainer.progress_bar_callback
+        if self.progress_bar and bar is not None and self._wrapped_bar is None:
+            self._wrap(bar, trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._wrapped_bar is not None:
+            vars(self._wrapped_bar).pop("get_metrics", None)
+            self._wrapped_bar = None
+
+    def _wrap(self, bar: ProgressBar, trainer: pl.Trainer) -> None:
+        get_metrics: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]] = bar.get_metrics
+
+        def with_replicas(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+            items = get_metrics(trainer, pl_module)
+            telemetry = ft_telemetry(trainer)
+            replicas = telemetry.replicas() if telemetry is not None else None
+            return items if replicas is None else {"replicas": replicas, **items}
+
+        bar.get_metrics = with_replicas  # type: ignore[method-assign]
+        self._wrapped_bar = bar
+
+    # ------------------------------------------------------------------ metrics
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.loggers or not has_ft_manager(trainer):
+            return
+        telemetry = ft_telemetry(trainer)
+        heals = len(telemetry.heals) if telemetry is not None else 0
+        if not (trainer._logger_connector.should_update_logs or heals > self._heals_logged):
+            return
+        self._heals_logged = heals
+        metrics = self.metrics(trainer)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this batch (as LR monitor)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    @staticmethod
+    def metrics(trainer: pl.Trainer) -> dict[str, float]:
+        """The ``ft/`` metrics now. Reads counters only: no collective, no device work, no waiting on a quorum."""
+        manager = ft_manager(trainer)
+        values: dict[str, float] = {
+            "committed_steps": manager.current_step(),
+            "batches_committed": manager.batches_committed(),
+        }
+        telemetry = ft_telemetry(trainer)
+        if telemetry is not None:
+            if telemetry.participants is not None:
+                values["participants"] = telemetry.participants
+            if telemetry.quorum_id is not None:
+                values["quorum_id"] = telemetry.quorum_id
+            values["uncommitted_steps"] = telemetry.uncommitted_steps
+            values["heals"] = len(telemetry.heals)
+            if telemetry.heals:
+                values["heal_seconds"] = telemetry.heals[-1].seconds
+            values["quorum_wait_seconds"] = telemetry.step_quorum_wait_seconds
+            values["quorum_wait_seconds_total"] = telemetry.quorum_wait_seconds_total
+        with contextlib.suppress(RuntimeError):  # a strategy without a StepProtocol
+            values["non_finite_skips"] = ft_step_protocol(trainer).non_finite_skips
+        return {PREFIX + name: float(value) for name, value in values.items()}
+
+    # ------------------------------------------------------------------ failures
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        step = ft_manager(trainer).current_step() if has_ft_manager(trainer) else None
+        events.emit("exception", step=step, type=type(exception).__name__, message=str(exception)[:1000])

@@ -1,0 +1,173 @@
+"""What fault tolerance costs this process, measured where it happens: quorum waits, heals, quorum changes.
+
+Every figure is this process's own truth (its replica group's, as every rank of a group sees the same quorums and
+heals), counted since the process started its current fit: a restarted group starts again from zero. Nothing here
+is ever averaged or exchanged across groups, so reading it costs no collective. The ``ft/`` metrics
+(:class:`~lightning_ft.callbacks.FaultToleranceMonitor`), the progress bar and the event log read it.
+
+Two measurements need a hook inside torchft's Manager; both wrap an object this project hands the Manager, and both
+delegate everything:
+
+* **Quorum wait**: ``Manager.wait_quorum`` is where the training thread blocks on a quorum, whoever asks (the start
+  of a step with synchronous quorum, the first cross-group allreduce or ``num_participants()`` with asynchronous
+  quorum, a validation's sync section). It is wrapped on the Manager instance, so the time is measured exactly
+  where it is spent, however the call was reached.
+* **Heal**: receiving the peer's state runs on torchft's quorum thread inside ``CheckpointTransport.recv_checkpoint``;
+  applying it runs on the training thread in our load function. :class:`TimedTransport` wraps the transport that
+  :func:`~lightning_ft.manager.build_manager` creates and times the receive; the load function times the apply
+  (:class:`~lightning_ft.callbacks.StateTransferCallback`). A heal's duration is the sum.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from torchft import Manager
+from torchft.checkpointing import CheckpointTransport
+
+from lightning_ft import events
+
+T = TypeVar("T")
+
+
+class TimedTransport(CheckpointTransport[T]):
+    """A checkpoint transport that remembers how long its latest ``recv_checkpoint`` took; otherwise the inner one.
+
+    ``recv_checkpoint`` runs on torchft's quorum thread. The training thread reads the duration only after that
+    quorum has completed (torchft applies the received state after waiting on the quorum's future), so the value is
+    complete when read; the lock only makes taking it atomic.
+    """
+
+    def __init__(self, inner: CheckpointTransport[T]) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._last_receive_seconds: float | None = None
+
+    def metadata(self) -> str:
+        return self.inner.metadata()
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+        self.inner.send_checkpoint(dst_ranks=dst_ranks, step=step, state_dict=state_dict, timeout=timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        started = time.monotonic()
+        try:
+            return self.inner.recv_checkpoint(src_rank=src_rank, metadata=metadata, step=step, timeout=timeout)
+        finally:
+            with self._lock:
+                self._last_receive_seconds = time.monotonic() - started
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
+
+    def take_receive_seconds(self) -> float | None:
+        """The latest receive's duration, once: ``None`` if nothing was received since the last call."""
+        with self._lock:
+            seconds, self._last_receive_seconds = self._last_receive_seconds, None
+        return seconds
+
+    def __getattr__(self, name: str) -> Any:  # anything a transport offers beyond the ABC
+        return getattr(self.inner, name)
+
+
+@dataclass(frozen=True)
+class Heal:
+    """One heal of this group: the committed step it healed to and what it took."""
+
+    step: int
+    receive_seconds: float | None  # None: the transport was not a TimedTransport (a user-built Manager)
+    apply_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.receive_seconds or 0.0) + self.apply_seconds
+
+
+class FTTelemetry:
+    """This process's fault-tolerance figures for one fit (see the module docstring).
+
+    Args:
+        manager: The group's Manager; its ``wait_quorum`` is wrapped on the instance (a new Manager every fit).
+        transport: The Manager's checkpoint transport when it is a :class:`TimedTransport`, to time heals.
+        num_replica_groups: The job's size, for the progress bar's ``replicas P/N``.
+    """
+
+    def __init__(self, manager: Manager, transport: TimedTransport[Any] | None, num_replica_groups: int) -> None:
+        self.manager = manager
+        self.transport = transport
+        self.num_replica_groups = num_replica_groups
+        self.quorum_wait_seconds_total = 0.0
+        self._wait_at_step_start = 0.0
+        self.quorum_id: int | None = None
+        self.participants: int | None = None
+        self.heals: list[Heal] = []
+        self.uncommitted_steps = 0
+        self._observing = False
+        self._wait_quorum: Callable[[], None] = manager.wait_quorum
+        manager.wait_quorum = self._timed_wait_quorum  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ quorum
+    def _timed_wait_quorum(self) -> None:
+        started = time.monotonic()
+        try:
+            self._wait_quorum()
+        finally:
+            self.quorum_wait_seconds_total += time.monotonic() - started
+        if not self._observing:
+            self._observe_quorum()
+
+    def _observe_quorum(self) -> None:
+        """Record the quorum just waited for; a new quorum id or participant count is an event."""
+        self._observing = True  # both call wait_quorum again, which returns at once: the quorum is there
+        try:
+            participants = self.manager.num_participants()
+            replica_rank = self.manager.participating_rank()
+        finally:
+            self._observing = False
+        # torchft 0.2 has no public accessor for the quorum id; the Manager sets it in the quorum it just completed.
+        quorum_id = getattr(self.manager, "_quorum_id", None)
+        if (quorum_id, participants) == (self.quorum_id, self.participants):
+            return
+        self.quorum_id, self.participants = quorum_id, participants
+        events.emit(
+            "quorum",
+            step=self.manager.current_step(),
+            quorum_id=quorum_id,
+            participants=participants,
+            replica_rank=replica_rank,
+        )
+
+    def step_started(self) -> None:
+        """An optimizer step (or sync) opens its quorum: the per-step wait starts from zero."""
+        self._wait_at_step_start = self.quorum_wait_seconds_total
+
+    @property
+    def step_quorum_wait_seconds(self) -> float:
+        """How long the current (or latest) step has waited for its quorum so far."""
+        return self.quorum_wait_seconds_total - self._wait_at_step_start
+
+    def replicas(self) -> str | None:
+        """``"P/N"``: replica groups in the latest quorum out of the job's; ``None`` before the first quorum."""
+        if self.participants is None:
+            return None
+        return f"{self.participants}/{self.num_replica_groups}"
+
+    # ------------------------------------------------------------------ votes and heals
+    def step_voted(self, committed: bool) -> None:
+        if not committed:
+            self.uncommitted_steps += 1
+
+    def healed(self, step: int, apply_seconds: float) -> Heal:
+        """Record a heal whose state has just been applied; the receive was timed by the transport."""
+        receive = self.transport.take_receive_seconds() if self.transport is not None else None
+        heal = Heal(step=step, receive_seconds=receive, apply_seconds=apply_seconds)
+        self.heals.append(heal)
+        return heal
