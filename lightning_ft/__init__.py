@@ -14,6 +14,7 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
+from lightning_ft.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
 
@@ -27,6 +28,7 @@ __all__ = [
     "FTStrategy",
     "Failure",
     "FailureInjector",
+    "LighthouseUnavailableError",
     "ManagerCheckpointCallback",
     "QuorumCallback",
     "ReplicaConsistencyCheck",

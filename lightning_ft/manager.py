@@ -8,7 +8,8 @@ The Manager needs three things from its surroundings, and each has a trap this m
   for every process lifetime and shares its address over the group's own process group.
 * **A cross-group process group.** It links rank *r* of every group with rank *r* of the others; it never replaces
   the torch default process group, which stays inside the group.
-* **A lighthouse.** When none is configured and the job is a single group, one is started in process.
+* **A lighthouse.** When none is configured and the job is a single group, one is started in process. An external
+  one may go away and come back: the quorum requests ride out the outage (:mod:`lightning_ft.lighthouse_outage`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroup
 
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
+from lightning_ft.lighthouse_outage import OutageTolerantClient
 from lightning_ft.settings import FTSettings
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,12 @@ class ManagerHandle:
     # Held, not used: on group rank 0 this object *is* the group's store server, which lives as long as it does.
     store: TCPStore | None = None
     lighthouse: EmbeddedLighthouse | None = None
+    outage_client: OutageTolerantClient | None = None
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+        if self.outage_client is not None:
+            self.outage_client.shutdown()
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
 
@@ -114,4 +119,28 @@ def build_manager(settings: FTSettings, group_rank: int, group_world_size: int, 
         init_sync=settings.init_sync,
         max_retries=settings.max_retries,
     )
-    return ManagerHandle(manager=manager, store=store, lighthouse=lighthouse)
+    return ManagerHandle(
+        manager=manager,
+        store=store,
+        lighthouse=lighthouse,
+        outage_client=_ride_out_lighthouse_outages(manager, settings),
+    )
+
+
+def _ride_out_lighthouse_outages(manager: Manager, settings: FTSettings) -> OutageTolerantClient | None:
+    """Route the Manager's quorum requests through :class:`~lightning_ft.lighthouse_outage.OutageTolerantClient`.
+
+    The quorum request is the only RPC that depends on the lighthouse, and torchft makes it from its own quorum
+    thread (a step's quorum, a sync section's, a semi-synchronous sync's), so its client is the one place that sees
+    every one of them. ``Manager._client`` is private to torchft 0.2.0, which the project pins. An embedded
+    lighthouse lives and dies with this process: nothing to ride out.
+    """
+    if settings.lighthouse is None:
+        return None
+    client = OutageTolerantClient(
+        manager._client,
+        settings.lighthouse,
+        None if settings.lighthouse_outage_timeout is None else settings.lighthouse_outage_timeout.total_seconds(),
+    )
+    manager._client = client
+    return client

@@ -296,6 +296,10 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=None, help="the same initial weights in every group")
+    parser.add_argument("--quorum-timeout", type=float, default=60, help="FTStrategy(quorum_timeout=...)")
+    parser.add_argument(
+        "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
+    )
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -325,6 +329,8 @@ def main() -> None:
         algorithm["fragments"] = args.fragments
     if args.fragment_sync_delay is not None:
         algorithm["fragment_sync_delay"] = args.fragment_sync_delay
+    if args.lighthouse_outage_timeout is not None:  # only passed when set, as above
+        algorithm["lighthouse_outage_timeout"] = args.lighthouse_outage_timeout
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:
@@ -335,7 +341,7 @@ def main() -> None:
             use_async_quorum=bool(args.async_quorum),
             checkpoint_transport=args.transport,
             timeout=args.timeout,
-            quorum_timeout=60,
+            quorum_timeout=args.quorum_timeout,
             connect_timeout=30,
         ),
         accelerator="cpu",
