@@ -15,6 +15,7 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
+from lightning_ft.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
 
@@ -29,6 +30,7 @@ __all__ = [
     "Failure",
     "FailureInjector",
     "FaultToleranceMonitor",
+    "LighthouseUnavailableError",
     "ManagerCheckpointCallback",
     "QuorumCallback",
     "ReplicaConsistencyCheck",

@@ -8,7 +8,8 @@ The Manager needs three things from its surroundings, and each has a trap this m
   for every process lifetime and shares its address over the group's own process group.
 * **A cross-group process group.** It links rank *r* of every group with rank *r* of the others; it never replaces
   the torch default process group, which stays inside the group.
-* **A lighthouse.** When none is configured and the job is a single group, one is started in process.
+* **A lighthouse.** When none is configured and the job is a single group, one is started in process. An external
+  one may go away and come back: the quorum requests ride out the outage (:mod:`lightning_ft.lighthouse_outage`).
 
 Two more things a healing group must get right, which torchft 0.2.0 leaves to its caller:
 
@@ -50,6 +51,7 @@ from typing_extensions import override
 from lightning_ft.addresses import is_loopback, numeric_host
 from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
+from lightning_ft.lighthouse_outage import OutageTolerantClient
 from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.settings import FTSettings
 from lightning_ft.telemetry import TimedTransport
@@ -118,9 +120,12 @@ class ManagerHandle:
     lighthouse: EmbeddedLighthouse | None = None
     # The Manager's checkpoint transport, which times each heal's receive (lightning_ft.telemetry).
     transport: TimedTransport | None = None
+    outage_client: OutageTolerantClient | None = None
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+        if self.outage_client is not None:
+            self.outage_client.shutdown()
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
 
@@ -213,4 +218,29 @@ def build_manager(
             init_sync=settings.init_sync,
             max_retries=settings.max_retries,
         )
-    return ManagerHandle(manager=manager, store=store, lighthouse=lighthouse, transport=transport)
+    return ManagerHandle(
+        manager=manager,
+        store=store,
+        lighthouse=lighthouse,
+        transport=transport,
+        outage_client=_ride_out_lighthouse_outages(manager, settings),
+    )
+
+
+def _ride_out_lighthouse_outages(manager: Manager, settings: FTSettings) -> OutageTolerantClient | None:
+    """Route the Manager's quorum requests through :class:`~lightning_ft.lighthouse_outage.OutageTolerantClient`.
+
+    The quorum request is the only RPC that depends on the lighthouse, and torchft makes it from its own quorum
+    thread (a step's quorum, a sync section's, a semi-synchronous sync's), so its client is the one place that sees
+    every one of them. ``Manager._client`` is private to torchft 0.2.0, which the project pins. An embedded
+    lighthouse lives and dies with this process: nothing to ride out.
+    """
+    if settings.lighthouse is None:
+        return None
+    client = OutageTolerantClient(
+        manager._client,
+        settings.lighthouse,
+        None if settings.lighthouse_outage_timeout is None else settings.lighthouse_outage_timeout.total_seconds(),
+    )
+    manager._client = client
+    return client

@@ -72,6 +72,7 @@ class FTSettings:
     hostname: str | None
     replica_id_prefix: str
     skip_non_finite_steps: bool = True
+    lighthouse_outage_timeout: timedelta | None = timedelta(seconds=600)
 
     @property
     def replica_id(self) -> str:
@@ -117,6 +118,7 @@ def resolve_settings(
     hostname: str | None,
     replica_id_prefix: str,
     skip_non_finite_steps: bool = True,
+    lighthouse_outage_timeout: float | None = 600.0,
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -168,4 +170,9 @@ def resolve_settings(
         hostname=hostname or os.environ.get(ENV_HOSTNAME) or None,
         replica_id_prefix=replica_id_prefix,
         skip_non_finite_steps=bool(skip_non_finite_steps),
+        lighthouse_outage_timeout=(
+            None
+            if lighthouse_outage_timeout is None
+            else _positive_seconds("lighthouse_outage_timeout", lighthouse_outage_timeout)
+        ),
     )

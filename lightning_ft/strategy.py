@@ -31,6 +31,8 @@ Failure semantics
   rate stay exactly as they were) and the next step proceeds without the dead group.
 * A process dying inside a group: the group's own collectives fail and the whole group exits; its launcher
   (``torchrun --max-restarts``) restarts it and it heals from a live peer. The group is the unit of failure.
+* The lighthouse going away: every group stalls at its next quorum with one warning, and resumes at the same step
+  once a lighthouse is back at the same address (``lighthouse_outage_timeout``, :mod:`lightning_ft.lighthouse_outage`).
 * Never committed twice, never silently different: a healed group holds its peer's exact bytes.
 
 One job, one writer
@@ -119,6 +121,13 @@ class FTStrategy(DDPStrategy):
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer. A connection either
             opens within seconds or the address is wrong, so the default (20, torchft's is 60) reports a wrong
             lighthouse URL well within a minute.
+        lighthouse_outage_timeout: Seconds a lighthouse outage may last. While the lighthouse is unreachable every
+            group stalls at its next quorum (one warning naming the lighthouse), asks again once a lighthouse is back
+            at the same address, and resumes without losing or re-applying a step; after this long it fails with
+            ``LighthouseUnavailableError``. Default 600: a supervisor restarts a lighthouse within seconds, and a
+            Kubernetes node failure reschedules its pods after about 5 minutes; past that, idle accelerators cost
+            more than a restart from the last checkpoint. ``None`` waits for as long as it takes. Only applies to an
+            external lighthouse (``lighthouse``/``TORCHFT_LIGHTHOUSE``); an embedded one dies with its process.
         init_sync: Heal every group from one peer at step 0, so groups may start from different random weights.
             Set ``False`` only if every group initialises identically.
         max_retries: Stop with an error after this many consecutive uncommitted steps. ``None`` retries forever.
@@ -179,6 +188,7 @@ class FTStrategy(DDPStrategy):
         hostname: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
         skip_non_finite_steps: bool = True,
+        lighthouse_outage_timeout: float | None = 600.0,
         algorithm: str = "ddp",
         sync_every: int | None = None,
         outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
@@ -254,6 +264,7 @@ class FTStrategy(DDPStrategy):
             hostname=hostname,
             replica_id_prefix=replica_id_prefix,
             skip_non_finite_steps=skip_non_finite_steps,
+            lighthouse_outage_timeout=lighthouse_outage_timeout,
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None

@@ -19,6 +19,7 @@ from typing import Any
 import netns
 import pytest
 from harness import REPO, LaunchedJob, assert_bit_identical, launch_job
+from matrix import write
 from test_fault_tolerance import GATES
 
 pytestmark = [pytest.mark.multiprocess]
@@ -232,4 +233,13 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
         f"its quorum request reached the lighthouse {asked_at - healed_at:.2f} s after the heal; healed to step "
         f"{heals[0]['step']} after {heals[0]['time'] - healed_at:.2f} s, committed step {back['step']} after "
         f"{back['time'] - healed_at:.2f} s and step {both['step']} with group 0 after {both['time'] - healed_at:.2f} s"
+    )
+    write(
+        {
+            "case": f"Network partition of one group for {healed_at - cut_at:.0f} s (network namespaces)",
+            "identical": True,
+            "steps_lost": len(lost),
+            "survivors_resumed_s": round(solo[0]["time"] - cut_at, 2),
+            "victim_committed_after_partition_heals_s": round(back["time"] - healed_at, 2),
+        }
     )

@@ -307,6 +307,10 @@ def main() -> None:
         metavar="G:W",
         help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
     )
+    parser.add_argument("--quorum-timeout", type=float, default=60, help="FTStrategy(quorum_timeout=...)")
+    parser.add_argument(
+        "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
+    )
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -336,6 +340,8 @@ def main() -> None:
         algorithm["fragments"] = args.fragments
     if args.fragment_sync_delay is not None:
         algorithm["fragment_sync_delay"] = args.fragment_sync_delay
+    if args.lighthouse_outage_timeout is not None:  # only passed when set, as above
+        algorithm["lighthouse_outage_timeout"] = args.lighthouse_outage_timeout
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:
@@ -346,7 +352,7 @@ def main() -> None:
             use_async_quorum=bool(args.async_quorum),
             checkpoint_transport=args.transport,
             timeout=args.timeout,
-            quorum_timeout=60,
+            quorum_timeout=args.quorum_timeout,
             connect_timeout=30,
         ),
         accelerator="cpu",

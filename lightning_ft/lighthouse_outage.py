@@ -1,0 +1,205 @@
+"""Riding out a lighthouse outage: stall with a clear message, resume when a lighthouse is back at the same address.
+
+What torchft 0.2.0 does on its own when the lighthouse dies (measured, or read in its ``manager.rs``; see
+``docs/reliability.md``, "Lighthouse loss"):
+
+* The group's ManagerServer asks the lighthouse for a quorum, the request fails at once, and with the default
+  ``quorum_retries=0`` it *swallows* that error (``manager.rs``: "we don't broadcast in cases when this method
+  returns an error, resulting in a hang"). Every rank's quorum RPC then waits out its whole ``quorum_timeout`` and
+  raises ``TimeoutError: status: Cancelled, message: "Timeout expired"``, which is indistinguishable from slow peers.
+* That error escapes from the first ``wait_quorum()`` (the gradient hook, or ``start_quorum()`` with a synchronous
+  quorum): the process exits, torchrun restarts it, and the restarted Manager cannot even be built while the
+  lighthouse is down. When the lighthouse is back, every group starts over from step 0 (or the last checkpoint).
+* ``quorum_retries > 0`` does not help (read, not measured): after a refused connection the ManagerServer sleeps a whole
+  ``quorum_timeout`` before retrying, by which time the client has given up; a late answer then reaches the next
+  request.
+* The ManagerServer's connections to the lighthouse do come back: heartbeats reconnect on their own, and a quorum
+  request issued once the lighthouse is back at the same address succeeds.
+
+So the retry lives here, around the one RPC that depends on the lighthouse: the Manager's quorum request to its
+ManagerServer. While a request is pending, the lighthouse's TCP port is probed once a second. A request that fails
+while the lighthouse was unreachable is not an error of the job but an outage: the group logs one warning (which
+lighthouse, that training is stalled, how to fix it), waits until the lighthouse has been reachable for a short
+grace (so that every group's heartbeats are back and the groups rejoin in one quorum), and asks again for the *same*
+step. Until a quorum forms, each request is bounded by ``quorum_timeout`` and the whole outage by
+``lighthouse_outage_timeout``. Nothing was exchanged and nothing committed meanwhile, so no step is lost or applied
+twice.
+
+Only one request per rank is in flight at a time: the ManagerServer counts one request per group rank, so an
+abandoned extra request would pair with a later one and break the next quorum. A request already doomed when the
+lighthouse returns therefore still runs out its ``quorum_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+from urllib.parse import urlsplit
+
+from lightning_ft import events
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+# How often to probe the lighthouse while a quorum request is pending or the lighthouse is down. Quorums that take
+# longer than this are rare in steady state (one per step takes milliseconds), so normal training never probes.
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+# How long a returned lighthouse must have been seen reachable before a group asks it again. A fresh lighthouse knows
+# no one: a request that reaches it before the other groups' heartbeats do makes a quorum of that group alone, and the
+# others then heal from it (or, worse, torchft reuses a quorum id for another membership, see docs/reliability.md).
+# torchft's heartbeat loop reconnects with an exponential backoff capped at 10 s (plus up to 100 ms of jitter); after
+# that every live group is heartbeating again, and the groups rejoin in one quorum at the step where they stopped.
+# (Measured: heartbeats were back within a second of the restart.)
+REJOIN_GRACE_S = 11.0
+
+
+class LighthouseUnavailableError(RuntimeError):
+    """No quorum formed within ``lighthouse_outage_timeout`` of the lighthouse becoming unreachable."""
+
+
+def lighthouse_reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the lighthouse at ``url`` accepts TCP connections.
+
+    A bare connect, not an RPC: a heartbeat would register a replica the lighthouse then waits for, and a quorum
+    request would join one. A dead lighthouse on a live host refuses at once; a dead host times out.
+    """
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "localhost", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class OutageTolerantClient:
+    """Wraps the Manager's ``ManagerClient``: its quorum request outlasts a lighthouse outage; all else passes through.
+
+    Args:
+        client: torchft's ``ManagerClient`` of this rank.
+        lighthouse: The lighthouse URL, as every group was given it.
+        outage_timeout: Seconds a single outage may last before the quorum fails with
+            :class:`LighthouseUnavailableError`; ``None`` waits for as long as it takes.
+        reachable: Probe of the lighthouse (replaceable in tests).
+        clock, sleep: Time sources (replaceable in tests).
+        probe_interval: Seconds between probes while a request is pending or the lighthouse is down.
+        rejoin_grace: Seconds a returned lighthouse must have been reachable before the request is made again.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        lighthouse: str,
+        outage_timeout: float | None,
+        reachable: Callable[[str], bool] = lighthouse_reachable,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        probe_interval: float = PROBE_INTERVAL_S,
+        rejoin_grace: float = REJOIN_GRACE_S,
+    ) -> None:
+        self._client = client
+        self._lighthouse = lighthouse
+        self._outage_timeout = outage_timeout
+        self._reachable = reachable
+        self._clock = clock
+        self._sleep = sleep
+        self._probe_interval = probe_interval
+        self._rejoin_grace = rejoin_grace
+        self._outage_since: float | None = None  # set from the first failed probe until a quorum succeeds
+        self._up_since: float | None = None  # the first successful probe since the latest failed one
+        self._requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_ft_quorum_rpc")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, **request: Any) -> Any:
+        """torchft's quorum request, asked again for the same step until a quorum forms after a lighthouse outage.
+
+        Outside an outage a failure is torchft's to report, unchanged. Once the lighthouse was seen unreachable, the
+        outage lasts until a quorum succeeds: the first requests to a fresh lighthouse may fail too (it holds a lone
+        group back while others heartbeat), and each one is bounded by ``quorum_timeout``.
+        """
+        step = request.get("step")
+        while True:
+            outcome = self._attempt(request)
+            if not isinstance(outcome, BaseException):
+                self._end_outage(step)
+                return outcome
+            if self._outage_since is None and self._probe():
+                raise outcome  # the lighthouse was up throughout: not an outage, torchft's error stands
+            self._begin_outage(step)
+            self._wait_for_lighthouse(outcome)
+
+    def _attempt(self, request: dict[str, Any]) -> Any:
+        """One quorum request, probing the lighthouse while it is pending. Returns its result or its error."""
+        pending: Future[Any] = self._requests.submit(self._client._quorum, **request)
+        # futures.wait, not result(timeout=...): torchft's RPC raises the builtin TimeoutError, which since Python
+        # 3.11 is also what result() raises while the future is still pending.
+        while not wait([pending], timeout=self._probe_interval).done:
+            if not self._probe():
+                self._begin_outage(request.get("step"))
+        error = pending.exception()
+        return pending.result() if error is None else error
+
+    def _probe(self) -> bool:
+        if not self._reachable(self._lighthouse):
+            self._up_since = None
+            return False
+        if self._up_since is None:
+            self._up_since = self._clock()
+        return True
+
+    def _wait_for_lighthouse(self, cause: BaseException) -> None:
+        """Block until the lighthouse has been reachable for the rejoin grace, or fail once the outage outlasts the
+        limit."""
+        while True:
+            assert self._outage_since is not None
+            stalled = self._clock() - self._outage_since
+            if self._outage_timeout is not None and stalled > self._outage_timeout:
+                raise LighthouseUnavailableError(
+                    f"lightning-ft: no quorum for {stalled:.0f}s since the lighthouse at {self._lighthouse} became "
+                    f"unreachable, longer than lighthouse_outage_timeout={self._outage_timeout:g}s; giving up. "
+                    f"Restart the lighthouse at the same address (e.g. `lightning-ft lighthouse --bind <host:port>`), "
+                    f"or raise FTStrategy(lighthouse_outage_timeout=...) to let the job wait longer."
+                ) from cause
+            if self._probe() and self._up_since is not None and self._clock() - self._up_since >= self._rejoin_grace:
+                return
+            self._sleep(self._probe_interval)
+
+    def _begin_outage(self, step: int | None) -> None:
+        """Record the outage and warn, once per outage."""
+        if self._outage_since is not None:
+            return
+        self._outage_since = self._clock()
+        limit = (
+            "no limit" if self._outage_timeout is None else f"up to lighthouse_outage_timeout={self._outage_timeout:g}s"
+        )
+        log.warning(
+            "lightning-ft: the lighthouse at %s is unreachable; training is stalled at committed step %s and will "
+            "resume when a lighthouse is back at that address (waiting %s). To fix: restart the lighthouse at the "
+            "same address, e.g. `lightning-ft lighthouse --bind <host:port>`. No committed step is lost meanwhile.",
+            self._lighthouse,
+            step,
+            limit,
+        )
+        events.emit("lighthouse_unreachable", lighthouse=self._lighthouse, step=step)
+
+    def _end_outage(self, step: int | None) -> None:
+        if self._outage_since is None:
+            return
+        stalled = self._clock() - self._outage_since
+        self._outage_since = None
+        log.info(
+            "lightning-ft: the lighthouse at %s is back; training resumes at committed step %s after a %.1fs stall.",
+            self._lighthouse,
+            step,
+            stalled,
+        )
+        events.emit("lighthouse_back", lighthouse=self._lighthouse, step=step, stalled_s=round(stalled, 3))
+
+    def shutdown(self) -> None:
+        self._requests.shutdown(wait=False)
