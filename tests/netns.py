@@ -23,6 +23,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import random
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -140,9 +142,12 @@ class VirtualNetwork:
     def __init__(self, host_names: Sequence[str], seed: int | None = None) -> None:
         if len(set(host_names)) != len(host_names) or not host_names:
             raise ValueError(f"host names must be distinct and at least one: {list(host_names)}")
+        for name in host_names:  # they become namespace names and /etc/hosts entries
+            if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?", name):
+                raise ValueError(f"host name {name!r}: use lowercase letters, digits and inner hyphens, at most 32")
         if len(host_names) > 250:
             raise ValueError("at most 250 hosts fit in the /24")
-        self.id = f"{PREFIX}{os.getpid()}-{random.Random(seed).randrange(16**4):04x}"
+        self.id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"  # unique even for networks built with one seed
         self.subnet = free_subnet(random.Random(seed))
         self.switch = f"{self.id}-switch"
         addresses = list(self.subnet.hosts())
@@ -233,7 +238,10 @@ class VirtualNetwork:
 
 @contextmanager
 def virtual_network(host_names: Sequence[str], seed: int | None = None) -> Iterator[VirtualNetwork]:
-    """Build hosts ``host_names`` on one switch for the duration of the ``with`` block; delete them afterwards."""
+    """Build hosts ``host_names`` on one switch for the duration of the ``with`` block; delete them afterwards.
+
+    ``seed`` picks the subnet (reproducible addresses); the namespace names are unique either way.
+    """
     remove_stale_networks()
     network = VirtualNetwork(host_names, seed=seed)
     network.build()
