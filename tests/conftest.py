@@ -25,12 +25,19 @@ def _restore_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
-@pytest.fixture(autouse=True)
-def _event_log_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def _event_log_off_unless_asked_for() -> Iterator[None]:
     """FTStrategy writes its event log under ``default_root_dir`` by default, which for most in-process fits here is
     the working directory (the repository). Tests turn it off (set but empty), as it was before it became a default;
-    a test that wants it deletes the variable or points it somewhere (``lightning-ft launch --events-dir`` does)."""
-    monkeypatch.setenv(ENV_EVENTS_DIR, "")
+    a test that wants it deletes the variable or points it somewhere (``lightning-ft launch --events-dir`` does).
+    Session-wide, so that module-scoped fixtures that fit (test_state.py, test_data_position.py) see it too."""
+    previous = os.environ.get(ENV_EVENTS_DIR)
+    os.environ[ENV_EVENTS_DIR] = ""
+    yield
+    if previous is None:
+        os.environ.pop(ENV_EVENTS_DIR, None)
+    else:
+        os.environ[ENV_EVENTS_DIR] = previous
 
 
 @pytest.fixture
