@@ -91,6 +91,7 @@ class FTManager(Manager):
         self._quorum_future.result()
         self._vet_heal()
         super()._apply_pending_state_dict()
+        self._vetted = None  # an id() may be reused by a later, unvetted state
 
     def _vet_heal(self) -> None:
         """Raise if this replica heals and the received state must not be loaded; a no-op otherwise."""
