@@ -174,8 +174,7 @@ def test_an_uncommitted_step_is_counted_logged_and_recorded_with_its_error(tmp_p
 
 
 def test_the_rich_progress_bar_shows_replicas_too(tmp_path, single_group):
-    pytest.importorskip("rich")
-    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.callbacks import RichProgressBar  # rich is in the test extra: this always runs
 
     bar = RecordProgressBar()
     fit(tmp_path, bar, RichProgressBar(), max_steps=2, logger=False)
