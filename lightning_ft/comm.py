@@ -8,6 +8,13 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
   future. The bucket's contents are garbage in that case, which is fine: the step is not committed.
 * torchft's cross-group process group only links equal group ranks, so a group of several processes must reduce
   inside the group first, on the group's own process group, and only then across groups.
+* torchft's hook waits for each bucket's allreduce before it returns, so no communication overlaps the rest of the
+  backward pass. This hook returns the allreduce's own future instead (torchft's averaging and error capture
+  chained to it), as DDP's built-in hooks do: at 50 M parameters that is most of the difference between a step
+  with fault tolerance and one without (``docs/benchmarks.md``).
+* The non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) needs one pass over
+  it. Each bucket is summed in the allreduce's completion callback, off the training thread and while the data is
+  still in cache, so the commit gate only compares a few numbers (:attr:`FTCommState.bucket_sums`).
 
 With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and :func:`fsdp_cross_group_hook` is FSDP2's
 all-reduce hook: it averages each rank's reduced shard with the same shard of the other groups. That is the HSDP
@@ -19,7 +26,7 @@ first, as the DDP hook does.
 # No `from __future__ import annotations` here: torch's DDP inspects the hook's annotations at registration and
 # requires the real GradBucket / Future[Tensor] objects, not strings.
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,20 +41,50 @@ class FTCommState:
     group: dist.ProcessGroup | None
     group_world_size: int
     before_allreduce: Callable[[], None] = lambda: None
+    # The sum of each averaged bucket of the current step, appended by the completion callbacks: an inf or NaN in
+    # a bucket makes its sum non-finite. The optimizer step takes them (see ``take_bucket_sums``).
+    bucket_sums: list[torch.Tensor] = field(default_factory=list)
+
+    def take_bucket_sums(self) -> list[torch.Tensor]:
+        """The current step's bucket sums, once; DDP has waited for every bucket's future when the step reads them."""
+        sums, self.bucket_sums = self.bucket_sums, []
+        return sums
 
 
 def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over the group (sum / group size), then over participating groups (Manager AVG).
 
-    An intra-group failure raises: the group is the unit of failure and is restarted whole. A cross-group failure
-    never raises: the Manager swallows and records it, and the step will not commit.
+    Returns without waiting for the cross-group allreduce, so that it overlaps the rest of the backward pass; DDP
+    waits for the future before it writes the gradients. An intra-group failure raises: the group is the unit of
+    failure and is restarted whole. A cross-group failure never raises, now or in the future: the Manager records
+    it (``should_commit()`` will say no), and the future completes with the bucket's (garbage) contents.
     """
     state.before_allreduce()
     buffer = bucket.buffer()
     if state.group_world_size > 1:
         dist.all_reduce(buffer, group=state.group)
         buffer.div_(state.group_world_size)
-    state.manager.allreduce(buffer).wait()
+    manager = state.manager
+    work = manager.allreduce(buffer)  # waits for the quorum; returns at once (a no-op) once the step has errored
+    # torchft's _ManagedWork averages lazily, in a callback chain that only works when built after the allreduce
+    # finished (wait()); so chain the average to the process group's own future instead, through the Manager's
+    # public wrap_future (error capture, timeout). Anything else (torchft's _DummyWork) is waited for, as torchft does.
+    process_group_work = getattr(work, "_work", None)
+    if process_group_work is None:
+        work.wait()
+        return _completed(buffer)
+    participants = manager.num_participants()
+
+    def average(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        done.value()  # the allreduce's error, if any, goes to wrap_future, which reports it to the Manager
+        buffer.div_(participants)
+        state.bucket_sums.append(buffer.sum(dtype=torch.float32))
+        return buffer
+
+    return manager.wrap_future(process_group_work.get_future().then(average), default=buffer)
+
+
+def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done

@@ -158,19 +158,27 @@ class NonFiniteGradientError(RuntimeError):
 def gradients_are_finite(optimizer: Optimizer) -> bool:
     """Whether every gradient the optimizer would apply is finite. One device sync for all of them.
 
+    Why sums: an inf or NaN anywhere makes its tensor's sum inf or NaN, and a sum only reads the gradient, where
+    ``isfinite(grad).all()`` writes a mask as large as the gradient and reads it again (on CPU that was the largest
+    per-step cost of fault tolerance, see docs/benchmarks.md). A finite gradient whose sum overflows is the only
+    false alarm; it is then checked element by element, so the answer is exact.
+
     Sharded (DTensor) gradients are checked shard by shard: each rank votes on its own shard, and the group's commit
     vote needs every rank's yes.
     """
-    checks = []
+    grads = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
             if grad is None:
                 continue
-            if isinstance(grad, DTensor):
-                grad = grad.to_local()
-            checks.append(torch.isfinite(grad).all())
-    return not checks or bool(torch.stack(checks).all())
+            grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    if not grads:
+        return True
+    sums = torch.stack([grad.sum(dtype=torch.float32) for grad in grads])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
 
 class CommitGatedOptimizer:
@@ -182,14 +190,29 @@ class CommitGatedOptimizer:
     to average.
     """
 
-    def __init__(self, optimizer: Optimizer, protocol: StepProtocol, skip_non_finite: bool = True) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        protocol: StepProtocol,
+        skip_non_finite: bool = True,
+        gradient_sums: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> None:
         self._optimizer = optimizer
         self._protocol = protocol
         self._skip_non_finite = skip_non_finite
+        # Sums of the averaged gradient computed as it arrived (lightning_ft.comm): when they are all finite, so is
+        # every gradient, and the optimizer's gradients need not be read again.
+        self._gradient_sums = gradient_sums
+
+    def _gradients_are_finite(self) -> bool:
+        sums = self._gradient_sums() if self._gradient_sums is not None else []
+        if sums and bool(torch.isfinite(torch.stack(sums)).all()):
+            return True
+        return gradients_are_finite(self._optimizer)  # no sums, or one overflowed: look at the gradients themselves
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
-        if self._skip_non_finite and not self._protocol.decided and not gradients_are_finite(self._optimizer):
+        if self._skip_non_finite and not self._protocol.decided and not self._gradients_are_finite():
             self._protocol.reject(NonFiniteGradientError(self._protocol.manager.current_step()))
         if self._protocol.commit():
             self._optimizer.step(**kwargs)

@@ -273,6 +273,7 @@ class FTStrategy(DDPStrategy):
         self._patches: list[tuple[object, str]] = []
         self._sigterm_deadline = SigtermDeadline()
         self._device_mesh: DeviceMesh | None = None
+        self._comm_state: FTCommState | None = None
 
     @staticmethod
     def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
@@ -578,13 +579,13 @@ class FTStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
-        state = FTCommState(
+        self._comm_state = FTCommState(
             manager=self.manager,
             group=None,
             group_world_size=self.world_size,
             before_allreduce=self.step_protocol.require_quorum,
         )
-        self.model.register_comm_hook(state, ft_allreduce_hook)
+        self.model.register_comm_hook(self._comm_state, ft_allreduce_hook)
 
     def _gate_step_lr_schedulers(self, trainer: pl.Trainer) -> None:
         """Step-interval LR schedulers advance only on a committed step.
@@ -658,13 +659,23 @@ class FTStrategy(DDPStrategy):
         if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         protocol = self.step_protocol
-        gated = CommitGatedOptimizer(optimizer, protocol, skip_non_finite=self.settings.skip_non_finite_steps)
-        output = self.precision_plugin.optimizer_step(
-            gated,  # type: ignore[arg-type]
-            model=model or self.lightning_module,
-            closure=closure,
-            **kwargs,
+        comm_state = self._comm_state
+        gated = CommitGatedOptimizer(
+            optimizer,
+            protocol,
+            skip_non_finite=self.settings.skip_non_finite_steps,
+            gradient_sums=comm_state.take_bucket_sums if comm_state is not None else None,
         )
+        try:
+            output = self.precision_plugin.optimizer_step(
+                gated,  # type: ignore[arg-type]
+                model=model or self.lightning_module,
+                closure=closure,
+                **kwargs,
+            )
+        finally:
+            if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves sums
+                comm_state.take_bucket_sums()
         if not protocol.decided:
             protocol.commit()
         return output
@@ -749,6 +760,7 @@ class FTStrategy(DDPStrategy):
                 vars(target).pop(name, None)
         self._patches.clear()
         self._collectives = None
+        self._comm_state = None
         if self._handle is not None:
             self._handle.shutdown()
             self._handle = None

@@ -111,6 +111,7 @@ class FTTelemetry:
         self.heals: list[Heal] = []
         self.uncommitted_steps = 0
         self._observing = False
+        self._observed: object = None  # the quorum (torchft's quorum future) recorded last
         self._wait_quorum: Callable[[], None] = manager.wait_quorum
         manager.wait_quorum = self._timed_wait_quorum  # type: ignore[method-assign]
 
@@ -121,8 +122,11 @@ class FTTelemetry:
             self._wait_quorum()
         finally:
             self.quorum_wait_seconds_total += time.monotonic() - started
-        if not self._observing:
+        # Once per quorum: torchft calls wait_quorum many times per step (every allreduce, num_participants()).
+        quorum = getattr(self.manager, "_quorum_future", None)
+        if not self._observing and (quorum is None or quorum is not self._observed):
             self._observe_quorum()
+            self._observed = quorum
 
     def _observe_quorum(self) -> None:
         """Record the quorum just waited for; a new quorum id or participant count is an event."""

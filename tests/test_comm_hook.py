@@ -53,3 +53,69 @@ def test_hook_refuses_gradients_without_a_quorum():
     state = FTCommState(manager=FakeManager(), group=None, group_world_size=1, before_allreduce=protocol.require_quorum)
     with pytest.raises(QuorumNotStartedError, match="QuorumCallback"):
         ft_allreduce_hook(state, Bucket(torch.ones(2)))
+
+
+class FailingProcessGroupWork:
+    """The process group's own work of an allreduce whose peer died: its future completes with the error."""
+
+    def __init__(self) -> None:
+        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self.future
+
+
+@dataclass
+class ManagedWork:
+    _work: FailingProcessGroupWork
+
+
+@dataclass
+class SwallowingManager:
+    """torchft's Manager as far as the hook sees it: ``wrap_future`` completes with ``default`` on error and reports
+    it (as ``torchft.Manager.wrap_future`` does)."""
+
+    participants: int = 2
+    errors: list[BaseException] = field(default_factory=list)
+    work: ManagedWork = field(default_factory=lambda: ManagedWork(FailingProcessGroupWork()))
+
+    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
+        return self.work
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def report_error(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+    def wrap_future(self, future: torch.futures.Future, default: torch.Tensor) -> torch.futures.Future:
+        def swallow(done: torch.futures.Future) -> torch.Tensor:
+            try:
+                return done.value()
+            except Exception as error:
+                self.report_error(error)
+                return default
+
+        return future.then(swallow)
+
+
+def test_hook_returns_before_the_allreduce_completes_and_averages_when_it_does():
+    manager = SwallowingManager(participants=2)
+    state = FTCommState(manager=manager, group=None, group_world_size=1)
+    buffer = torch.full((4,), 6.0)
+    future = ft_allreduce_hook(state, Bucket(buffer))
+    assert not future.done()  # DDP overlaps it with the rest of the backward pass
+    manager.work._work.future.set_result([buffer])
+    assert torch.equal(future.wait(), torch.full((4,), 3.0))
+    assert [float(s) for s in state.take_bucket_sums()] == [12.0]
+    assert state.take_bucket_sums() == []
+
+
+def test_hook_future_completes_without_error_when_the_peer_dies_mid_allreduce():
+    manager = SwallowingManager()
+    state = FTCommState(manager=manager, group=None, group_world_size=1)
+    buffer = torch.ones(4)
+    future = ft_allreduce_hook(state, Bucket(buffer))
+    manager.work._work.future.set_exception(RuntimeError("Connection reset by peer"))
+    assert future.wait() is buffer  # no exception reaches DDP: the survivor carries on
+    assert len(manager.errors) == 1 and "Connection reset by peer" in str(manager.errors[0])

@@ -1,0 +1,120 @@
+"""Step time of FTStrategy against Lightning's DDPStrategy, with raw torchft DDP as a second anchor (issue 7).
+
+Each run is a real job of 2 processes on this machine, 1 compute thread each:
+
+* ``ddp``: ``torchrun --nproc-per-node 2`` running Lightning with ``DDPStrategy(process_group_backend="gloo")``;
+* ``ft``: ``lightning-ft launch --replica-groups 2 --min-replicas 2`` running Lightning with ``FTStrategy()``
+  (its defaults: asynchronous quorum, event log on), 2 groups of 1 process;
+* ``torchft``: the same launcher running torchft's README loop without Lightning (``torchft.ddp``,
+  ``OptimizerWrapper``).
+
+The figure of a run is the median time between consecutive optimizer steps after a warm-up, averaged over its two
+processes; the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
+against ``ddp`` of the same size. The peak RSS is the largest of the run's training processes. Usage::
+
+    python benchmarks/overhead.py                 # both sizes, 3 repetitions (about 5 minutes on 2 cores)
+    python benchmarks/overhead.py --sizes 1m --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from run_util import LIGHTNING_FT, RESULTS, machine, median, run_job
+
+MODES = ("ddp", "ft", "torchft")
+STEPS = {"1m": 300, "50m": 30}
+WARMUP = {"1m": 50, "50m": 5}  # step intervals skipped: process start, init_sync's heal, allocator warm-up
+
+
+def command(mode: str, size: str, root: Path) -> list[str]:
+    worker = [
+        "overhead_worker.py",
+        f"--mode={mode}",
+        f"--size={size}",
+        f"--steps={STEPS[size]}",
+        f"--root={root}",
+        f"--out={root / 'steps.json'}",
+    ]
+    if mode == "ddp":
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        return [*torchrun, *worker]
+    launch = [*LIGHTNING_FT, "launch", "--replica-groups=2", "--min-replicas=2", "--max-restarts=0"]
+    return [*launch, "--", "python", *worker]
+
+
+def measure(mode: str, size: str, scratch: Path, rep: int) -> dict[str, Any]:
+    root = scratch / f"{size}-{mode}-{rep}"
+    code = run_job(command(mode, size, root), root / "job.log", timeout=300)
+    files = sorted(root.glob("steps.*.json"))
+    if code != 0 or not files:
+        raise RuntimeError(f"{mode}/{size} failed (exit {code}); see {root / 'job.log'}")
+    medians, rss = [], []
+    for path in files:
+        record = json.loads(path.read_text())
+        ends = record["step_ends"]
+        intervals = [b - a for a, b in itertools.pairwise(ends)][WARMUP[size] :]
+        medians.append(median(intervals))
+        rss.append(record["peak_rss_bytes"])
+        if record["global_step"] != STEPS[size]:
+            raise RuntimeError(f"{mode}/{size}: reached step {record['global_step']}, not {STEPS[size]}")
+    step = sum(medians) / len(medians)
+    print(f"  {size} {mode:8s} rep {rep}: {step * 1000:7.2f} ms/step, peak RSS {max(rss) / 2**20:6.0f} MiB", flush=True)
+    return {"mode": mode, "size": size, "rep": rep, "step_s": step, "per_process_step_s": medians, "rss": max(rss)}
+
+
+def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        base = median([r["step_s"] for r in runs if r["size"] == size and r["mode"] == "ddp"])
+        base_rss = median([r["rss"] for r in runs if r["size"] == size and r["mode"] == "ddp"])
+        for mode in MODES:
+            mine = [r for r in runs if r["size"] == size and r["mode"] == mode]
+            step = median([r["step_s"] for r in mine])
+            rss = median([r["rss"] for r in mine])
+            rows.append(
+                {
+                    "size": size,
+                    "mode": mode,
+                    "step_ms": step * 1000,
+                    "ratio_vs_ddp": step / base,
+                    "per_rep_ms": [round(r["step_s"] * 1000, 2) for r in mine],
+                    "peak_rss_mib": rss / 2**20,
+                    "rss_ratio_vs_ddp": rss / base_rss,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["1m", "50m"], choices=sorted(STEPS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
+    args = parser.parse_args()
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="lightning-ft-overhead-") as scratch:
+        for size in args.sizes:
+            for rep in range(args.repeats):
+                order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
+                for mode in order:
+                    runs.append(measure(mode, size, Path(scratch), rep))
+    rows = summarise(runs, args.sizes)
+    for row in rows:
+        print(
+            f"{row['size']:>4} {row['mode']:8s} {row['step_ms']:8.2f} ms  {row['ratio_vs_ddp']:.3f}x ddp  "
+            f"RSS {row['peak_rss_mib']:.0f} MiB ({row['rss_ratio_vs_ddp']:.2f}x)"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine(), "rows": rows, "runs": runs}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

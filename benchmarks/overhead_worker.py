@@ -1,0 +1,144 @@
+"""One process of an overhead benchmark run (started by ``benchmarks/overhead.py``; not meant to be run by hand).
+
+``--mode ddp``: one of 2 ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun --nproc-per-node 2``.
+``--mode ft``: one replica group of 1 process with ``FTStrategy`` (its defaults), under ``lightning-ft launch``.
+``--mode torchft``: one replica group of raw torchft without Lightning, the torchft README's loop: ``torchft.Manager``,
+``torchft.ddp.DistributedDataParallel`` and ``torchft.optim.OptimizerWrapper``, under ``lightning-ft launch``.
+
+Every mode trains the same model on the same data with the same optimizer and writes, for each optimizer step, the
+time it ended (``time.perf_counter``), and the process's peak RSS, to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_model import SIZES, RegressionModule, SyntheticRegression
+
+# The same intra-op threads in every mode: torchrun sets OMP_NUM_THREADS=1 only with several processes per node.
+torch.set_num_threads(1)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write(out: Path, step_ends: list[float], started: float, extra: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"step_ends": step_ends, "started": started, "peak_rss_bytes": peak_rss_bytes(), "pid": os.getpid()}
+    out.write_text(json.dumps({**record, **extra}))
+
+
+def run_lightning(args: argparse.Namespace, out: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_ft import FTStrategy
+
+    size = SIZES[args.size]
+    step_ends: list[float] = []
+
+    class StepClock(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+            step_ends.append(time.perf_counter())
+
+    if args.mode == "ddp":
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        devices, world = 2, 2
+    else:
+        strategy = FTStrategy()
+        devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    data = SyntheticRegression(size.width, size.batch_size, length=args.steps * size.batch_size * world)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=args.root,
+        callbacks=[StepClock()],
+    )
+    started = time.perf_counter()
+    trainer.fit(RegressionModule(args.size), DataLoader(data, batch_size=size.batch_size))
+    rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    if trainer.global_rank == 0 or args.mode == "ft":
+        write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, {"global_step": trainer.global_step})
+
+
+def run_torchft(args: argparse.Namespace, out: Path) -> None:
+    from torch.distributed import TCPStore
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.ddp import DistributedDataParallel
+    from torchft.optim import OptimizerWrapper
+
+    size = SIZES[args.size]
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    groups = int(os.environ["NUM_REPLICA_GROUPS"])
+    model = size.build()
+    # torchft's Manager reads MASTER_ADDR/MASTER_PORT as a store *client*; with one process per group nothing hosts
+    # that store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so the group hosts its own, as lightning-ft does.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        pg=ProcessGroupGloo(),
+        min_replica_size=1,
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        replica_id=f"bench_torchft_{group}",
+    )
+    model = DistributedDataParallel(manager, model)
+    optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    data = SyntheticRegression(size.width, size.batch_size, length=args.steps * size.batch_size * groups)
+    sampler = DistributedSampler(data, num_replicas=groups, rank=group, shuffle=False)
+    step_ends: list[float] = []
+    started = time.perf_counter()
+    for inputs, targets in DataLoader(data, batch_size=size.batch_size, sampler=sampler):
+        if manager.current_step() >= args.steps:
+            break
+        optimizer.zero_grad()  # starts the quorum
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()  # should_commit, then step
+        step_ends.append(time.perf_counter())
+    write(out.with_name(f"{out.stem}.{group}.json"), step_ends, started, {"global_step": manager.current_step()})
+    manager.shutdown(wait=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ddp", "ft", "torchft"], required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    run = run_torchft if args.mode == "torchft" else run_lightning
+    profile_to = os.environ.get("BENCH_PROFILE")  # a directory: where to find the per-step costs (cProfile)
+    if not profile_to:
+        run(args, args.out)
+        return
+    import cProfile
+
+    group = os.environ.get("REPLICA_GROUP_ID", os.environ.get("RANK", "0"))
+    cProfile.runctx("run(args, args.out)", globals(), locals(), f"{profile_to}/{args.mode}.{group}.prof")
+
+
+if __name__ == "__main__":
+    main()

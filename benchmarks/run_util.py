@@ -1,0 +1,72 @@
+"""Helpers the benchmark drivers share: run a job with a deadline, stop it by PID, medians, the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+RESULTS = BENCH / "results"
+LIGHTNING_FT = [sys.executable, "-m", "lightning_ft.cli.main"]
+
+
+def bench_env(**extra: str) -> dict[str, str]:
+    """One compute thread per process in every mode (torchrun sets it only with several processes per node), gloo
+    restarts that reconnect (pytorch issue 135712), quiet torchft."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", RUST_LOG="warn", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_job(command: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> int:
+    """Run ``command`` in its own session with output to ``log``; on timeout, kill that session (ours alone)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, cwd=BENCH, env=env or bench_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RuntimeError(f"{' '.join(command)} ran past {timeout:.0f}s; see {log}") from None
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import lightning
+    import torch
+    import torchft  # noqa: F401
+
+    cpu = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchft": version("torchft"),
+        "lightning": lightning.__version__,
+        "kernel": platform.release(),
+    }
