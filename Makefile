@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean bench-semi-sync fault-matrix
+.PHONY: demo test lint format clean bench bench-semi-sync fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not soak" tests
+
+# The performance benchmarks of docs/benchmarks.md: step time and memory against DDPStrategy, heal throughput, goodput
+# and recovery against torchrun restarts, the cluster-scale model, and the table and plot of every figure against its
+# target. About 14 minutes on 2 CPU cores; run it on an otherwise idle machine.
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/heal_throughput.py
+	$(BIN)/python benchmarks/goodput.py
+	$(BIN)/python benchmarks/cluster_model.py
+	$(BIN)/python benchmarks/report.py
 
 # The semi-synchronous benchmark (docs/benchmarks.md): about 15 minutes per seed on 2 CPU cores.
 # Extra arguments: make bench-semi-sync ARGS="--seeds 0 1"

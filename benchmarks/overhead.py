@@ -12,7 +12,7 @@ The figure of a run is the median time between consecutive optimizer steps after
 processes; the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
 against ``ddp`` of the same size. The peak RSS is the largest of the run's training processes. Usage::
 
-    python benchmarks/overhead.py                 # both sizes, 3 repetitions (about 5 minutes on 2 cores)
+    python benchmarks/overhead.py                 # both sizes (about 5 minutes on 2 cores)
     python benchmarks/overhead.py --sizes 1m --repeats 1
 """
 
@@ -29,8 +29,9 @@ from typing import Any
 from run_util import LIGHTNING_FT, RESULTS, machine, median, run_job
 
 MODES = ("ddp", "ft", "torchft")
-STEPS = {"1m": 300, "50m": 30}
-WARMUP = {"1m": 50, "50m": 5}  # step intervals skipped: process start, init_sync's heal, allocator warm-up
+STEPS = {"1m": 300, "50m": 20}
+WARMUP = {"1m": 50, "50m": 4}  # step intervals skipped: process start, init_sync's heal, allocator warm-up
+REPEATS = {"1m": 3, "50m": 2}  # a 50M run takes about 40 s here; its steps vary less
 
 
 def command(mode: str, size: str, root: Path) -> list[str]:
@@ -55,18 +56,24 @@ def measure(mode: str, size: str, scratch: Path, rep: int) -> dict[str, Any]:
     files = sorted(root.glob("steps.*.json"))
     if code != 0 or not files:
         raise RuntimeError(f"{mode}/{size} failed (exit {code}); see {root / 'job.log'}")
-    medians, rss = [], []
+    medians, rss, waits = [], [], []
     for path in files:
         record = json.loads(path.read_text())
         ends = record["step_ends"]
         intervals = [b - a for a, b in itertools.pairwise(ends)][WARMUP[size] :]
         medians.append(median(intervals))
         rss.append(record["peak_rss_bytes"])
+        if "quorum_wait_s_by_step" in record:  # ft: the training thread's wait for each step's quorum
+            totals = record["quorum_wait_s_by_step"]
+            waits.append(median([b - a for a, b in itertools.pairwise(totals)][WARMUP[size] :]))
         if record["global_step"] != STEPS[size]:
             raise RuntimeError(f"{mode}/{size}: reached step {record['global_step']}, not {STEPS[size]}")
     step = sum(medians) / len(medians)
     print(f"  {size} {mode:8s} rep {rep}: {step * 1000:7.2f} ms/step, peak RSS {max(rss) / 2**20:6.0f} MiB", flush=True)
-    return {"mode": mode, "size": size, "rep": rep, "step_s": step, "per_process_step_s": medians, "rss": max(rss)}
+    run = {"mode": mode, "size": size, "rep": rep, "step_s": step, "per_process_step_s": medians, "rss": max(rss)}
+    if waits:
+        run["quorum_wait_s"] = sum(waits) / len(waits)
+    return run
 
 
 def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, Any]]:
@@ -87,6 +94,7 @@ def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, An
                     "per_rep_ms": [round(r["step_s"] * 1000, 2) for r in mine],
                     "peak_rss_mib": rss / 2**20,
                     "rss_ratio_vs_ddp": rss / base_rss,
+                    "quorum_wait_ms": median([r["quorum_wait_s"] * 1000 for r in mine if "quorum_wait_s" in r]),
                 }
             )
     return rows
@@ -95,13 +103,13 @@ def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1m", "50m"], choices=sorted(STEPS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="per size (default: 3 at 1M, 2 at 50M)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="lightning-ft-overhead-") as scratch:
         for size in args.sizes:
-            for rep in range(args.repeats):
+            for rep in range(args.repeats or REPEATS[size]):
                 order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
                 for mode in order:
                     runs.append(measure(mode, size, Path(scratch), rep))

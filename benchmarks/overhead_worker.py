@@ -46,9 +46,15 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     size = SIZES[args.size]
     step_ends: list[float] = []
 
+    quorum_wait = [0.0]
+    waits: list[float] = []
+
     class StepClock(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             step_ends.append(time.perf_counter())
+            if isinstance(trainer.strategy, FTStrategy):
+                quorum_wait[0] = trainer.strategy.telemetry.quorum_wait_seconds_total
+                waits.append(quorum_wait[0])
 
     if args.mode == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo")
@@ -74,8 +80,12 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     started = time.perf_counter()
     trainer.fit(RegressionModule(args.size), DataLoader(data, batch_size=size.batch_size))
     rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    extra: dict[str, Any] = {"global_step": trainer.global_step}
+    if args.mode == "ft":  # where the training thread waited for the quorum (strategy.telemetry, the ft/ metrics)
+        extra["quorum_wait_s_total"] = quorum_wait[0]
+        extra["quorum_wait_s_by_step"] = waits
     if trainer.global_rank == 0 or args.mode == "ft":
-        write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, {"global_step": trainer.global_step})
+        write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, extra)
 
 
 def run_torchft(args: argparse.Namespace, out: Path) -> None:

@@ -119,3 +119,31 @@ def test_hook_future_completes_without_error_when_the_peer_dies_mid_allreduce():
     manager.work._work.future.set_exception(RuntimeError("Connection reset by peer"))
     assert future.wait() is buffer  # no exception reaches DDP: the survivor carries on
     assert len(manager.errors) == 1 and "Connection reset by peer" in str(manager.errors[0])
+
+
+def test_a_healing_group_reads_the_peer_state_once_and_exactly():
+    """The HTTP heal's loader (every storage read straight into its tensor) gives back exactly what was sent."""
+    import io
+
+    from torch.distributed._serialization import _streaming_save
+
+    from lightning_ft.http_transport import streaming_load_once
+
+    matrix = torch.randn(7, 5)
+    state = {
+        "weights": torch.randn(300, 17),
+        "column": matrix[:, 2],  # a view: its storage is the whole matrix
+        "matrix": matrix,
+        "bf16": torch.randn(9).to(torch.bfloat16),
+        "empty": torch.empty(0),
+        "counters": {"step": 12, "name": "g0"},
+    }
+    stream = io.BytesIO()
+    _streaming_save(state, stream)
+    stream.seek(0)
+    received = streaming_load_once(stream)
+    for key in ("weights", "column", "matrix", "bf16", "empty"):
+        assert received[key].dtype == state[key].dtype and torch.equal(received[key], state[key]), key
+    assert received["counters"] == state["counters"]
+    received["column"].fill_(0)  # shares its storage with the received matrix, as it did with the sent one
+    assert torch.equal(received["matrix"][:, 2], torch.zeros(7))

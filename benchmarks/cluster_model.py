@@ -1,0 +1,253 @@
+"""A first-order analytic model of goodput at cluster scale: whole-job restart (A) against per-step fault tolerance (B).
+
+Both approaches run the same hardware: G replica groups (for A, one DDP job spanning G groups' worth of nodes).
+Failures hit the job as a Poisson process; with a per-group MTBF m the job-level MTBF is M = m / G. Goodput is the
+fraction of wall time that turns into training progress, relative to a failure-free DDP job on that hardware.
+
+* A, ``torchrun --max-restarts`` from a periodic checkpoint: every failure stops the whole job for R_A (detection,
+  process restart, imports, rendezvous, checkpoint load) and loses on average I / 2 of work since the last checkpoint
+  (interval I seconds); each checkpoint blocks training for c_ckpt::
+
+      goodput_A = max(0, (1 - c_ckpt / I) * (1 - (R_A + I / 2) / M))
+
+  By default A gets its best interval, Young/Daly I* = sqrt(2 * c_ckpt * M) (``--ckpt-interval`` fixes one).
+* B, lightning-ft: a failure stalls every survivor for D (heartbeat timeout plus the step that did not commit), and
+  the failed group, 1/G of the job, is out for R_B (restart plus heal from a live peer) while the others train on.
+  Every step costs a constant factor o (step time of FTStrategy / DDP)::
+
+      goodput_B (relative to failure-free B) = max(0, 1 - (D + R_B / G) / M);   progress_B = goodput_B / o
+
+The break-even MTBF is the one at which progress_B equals goodput_A; at lower MTBF, B is ahead.
+
+Assumptions and limits: failures are independent, one at a time (no overlap, no failure during a restart or heal)
+and never take out all groups; first order in 1/M, so numbers near 0 are qualitative. B's own rare checkpoints (for
+whole-job loss) are neglected, and so are the survivors' smaller global batch while a group is out and any
+straggler effects. The "measured" costs come from 2 processes on one small machine (``benchmarks/results/
+goodput.json`` and ``overhead.json`` when present, else the defaults below); the "at scale" costs are assumptions
+for illustration, not measurements: a full-job restart of minutes, a longer stall and heal (NCCL timeouts and init,
+weights and optimizer state pulled from a peer), a slower checkpoint write. goodput.json may hold, at its top level or
+in any nested object, ``restart_a_s``, ``stall_s``, ``restart_heal_s`` and ``checkpoint_write_s`` (seconds);
+overhead.json is read for the ``ft`` row's ``ratio_vs_ddp`` (the largest model size present).
+
+    python benchmarks/cluster_model.py            # docs/img/cluster-model.png, benchmarks/results/cluster_model.md
+    python benchmarks/cluster_model.py --ckpt-interval 1800 --out-png /tmp/m.png --out-md /tmp/m.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0
+KEYS = {  # Costs field -> keys accepted in goodput.json
+    "r_a": ("restart_a_s", "torchrun_restart_s", "R_A"),
+    "d": ("stall_s", "survivor_stall_s", "D"),
+    "r_b": ("restart_heal_s", "heal_s", "R_B"),
+    "c_ckpt": ("checkpoint_write_s", "ckpt_write_s", "c_ckpt"),
+}
+
+
+@dataclass(frozen=True)
+class Costs:
+    r_a: float = 8.0  # A: detection + restart + imports + checkpoint load, s
+    d: float = 1.1  # B: stall of the survivors per failure, s
+    r_b: float = 5.0  # B: restart + heal of the failed group, s
+    o: float = 1.05  # B: step time ratio to DDP
+    c_ckpt: float = 0.5  # A: blocking checkpoint write, s
+
+
+def find(obj: Any, names: tuple[str, ...]) -> float | None:
+    """The first number under one of ``names`` in ``obj`` or any object nested in it."""
+    if isinstance(obj, dict):
+        for name in names:
+            if isinstance(obj.get(name), (int, float)):
+                return float(obj[name])
+        children = list(obj.values())
+    elif isinstance(obj, list):
+        children = obj
+    else:
+        return None
+    for child in children:
+        if (found := find(child, names)) is not None:
+            return found
+    return None
+
+
+def load_measured(results: Path) -> tuple[Costs, list[str]]:
+    """Measured costs where the results files hold them, defaults otherwise; the notes say which is which."""
+    values, notes = {}, []
+    goodput: Any = None
+    try:
+        goodput = json.loads((results / "goodput.json").read_text())
+    except (OSError, ValueError) as error:
+        notes.append(f"goodput.json unusable ({type(error).__name__}): defaults for R_A, D, R_B, c_ckpt")
+    for field, names in KEYS.items():
+        found = find(goodput, names) if goodput is not None else None
+        if found is not None:
+            values[field] = found
+            notes.append(f"{field} = {found:g} from goodput.json")
+        elif goodput is not None:
+            notes.append(f"{field}: none of {names} in goodput.json, default {getattr(Costs(), field):g}")
+    try:
+        rows = [r for r in json.loads((results / "overhead.json").read_text())["rows"] if r.get("mode") == "ft"]
+        row = max(rows, key=lambda r: float(str(r["size"]).rstrip("m")))
+        values["o"] = float(row["ratio_vs_ddp"])
+        notes.append(f"o = {values['o']:.3f} from overhead.json (ft, {row['size']})")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        notes.append(f"overhead.json unusable ({type(error).__name__}): default o = {Costs().o:g}")
+    return Costs(**values), notes
+
+
+def young_daly(c_ckpt: float, m_job: float) -> float:
+    return math.sqrt(2 * c_ckpt * m_job)
+
+
+def goodput_a(c: Costs, m_job: float, interval: float | None = None) -> float:
+    i = young_daly(c.c_ckpt, m_job) if interval is None else interval
+    return max(0.0, (1 - c.c_ckpt / i) * (1 - (c.r_a + i / 2) / m_job))
+
+
+def progress_b(c: Costs, m_job: float, groups: int) -> float:
+    return max(0.0, 1 - (c.d + c.r_b / groups) / m_job) / c.o
+
+
+def break_even(c: Costs, groups: int, interval: float | None = None) -> float:
+    """The largest job MTBF (s) at which B's progress equals A's goodput; inf if B leads at every MTBF, 0 if never."""
+    grid = np.logspace(0, 10, 2001)
+    ahead = [progress_b(c, m, groups) > goodput_a(c, m, interval) for m in grid]
+    if ahead[-1]:
+        return math.inf
+    if not any(ahead):
+        return 0.0
+    k = max(i for i, a in enumerate(ahead) if a)
+    lo, hi = float(grid[k]), float(grid[k + 1])
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if progress_b(c, mid, groups) > goodput_a(c, mid, interval) else (lo, mid)
+    return lo
+
+
+def human(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "∞"
+    for unit, size in (("d", DAY), ("h", HOUR), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def scenarios(measured: Costs, scale: Costs) -> list[tuple[str, int, float, Costs]]:
+    return [
+        ("this machine (measured costs), 1 failure / group / h", 2, HOUR, measured),
+        ("this machine (measured costs), 1 failure / group / day", 2, DAY, measured),
+        ("64 groups, group MTBF 1 week, R_A 60 s", 64, WEEK, replace(scale, r_a=60.0)),
+        ("64 groups, group MTBF 1 week, R_A 300 s", 64, WEEK, scale),
+        ("1024 groups, group MTBF 1 week, R_A 300 s", 1024, WEEK, scale),
+        ("1024 groups, group MTBF 4 weeks, R_A 300 s", 1024, 4 * WEEK, scale),
+    ]
+
+
+def table(rows: list[tuple[str, int, float, Costs]], interval: float | None) -> str:
+    head = ["scenario", "G", "job MTBF", "R_A", "c_ckpt", "I (A)", "D", "R_B", "o", "goodput A", "progress B", "B / A"]
+    lines = ["| " + " | ".join([*head, "break-even job MTBF"]) + " |", "|---|" + "---:|" * 12]
+    for name, groups, m_group, c in rows:
+        m = m_group / groups
+        a, b = goodput_a(c, m, interval), progress_b(c, m, groups)
+        i = young_daly(c.c_ckpt, m) if interval is None else interval
+        cells = [name, str(groups), human(m), human(c.r_a), human(c.c_ckpt), human(i), human(c.d), human(c.r_b)]
+        ratio = f"{b / a:.2f}" if a > 0 else "∞"
+        cells += [f"{c.o:.3f}", f"{a:.3f}", f"{b:.3f}", ratio, human(break_even(c, groups, interval))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(path: Path, measured: Costs, scale: Costs, interval: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9.5))
+    m_job = np.logspace(np.log10(180), np.log10(30 * DAY), 300)
+    a_lines = [
+        (f"A, R_A {measured.r_a:g} s, c {measured.c_ckpt:g} s (measured)", measured, "C0"),
+        ("A, R_A 60 s", replace(scale, r_a=60.0), "C1"),
+        (f"A, R_A {scale.r_a:g} s", scale, "C3"),
+    ]
+    b_lines = [("B, G 2 (measured)", measured, 2, "C0"), ("B, G 64", scale, 64, "C2"), ("B, G 1024", scale, 1024, "C4")]
+    for label, c, color in a_lines:
+        ax[0, 0].plot(m_job / HOUR, [goodput_a(c, m, interval) for m in m_job], color=color, label=label)
+    for label, c, groups, color in b_lines:
+        ax[0, 0].plot(m_job / HOUR, [progress_b(c, m, groups) for m in m_job], "--", color=color, label=label)
+    ax[0, 0].set(xscale="log", xlabel="job MTBF M (h)", ylabel="progress vs failure-free DDP", ylim=(0, 1.02))
+    ax[0, 0].set_title("Goodput vs job MTBF (A at its Young/Daly interval)")
+
+    r_a = np.logspace(0.5, 3.3, 120)
+    for o, color in ((1.01, "C2"), (measured.o, "C0"), (1.10, "C3")):
+        ends = [break_even(replace(scale, r_a=r, o=o), 64, interval) for r in r_a]
+        ax[0, 1].plot(r_a, np.array(ends) / HOUR, color=color, label=f"o {o:.3g}" + " (measured)" * (o == measured.o))
+    ax[0, 1].set(xscale="log", yscale="log", xlabel="A's restart time R_A (s)", ylabel="break-even job MTBF (h)")
+    ax[0, 1].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax[0, 1].set_title("Break-even, G 64 (G barely matters): B ahead below the line")
+
+    groups_axis = np.unique(np.logspace(0, np.log10(16384), 60).astype(int))
+    for label, c, color in a_lines[1:]:
+        ax[1, 0].plot(groups_axis, [goodput_a(c, WEEK / g, interval) for g in groups_axis], color=color, label=label)
+    ax[1, 0].plot(groups_axis, [progress_b(scale, WEEK / g, g) for g in groups_axis], "--", color="C2", label="B")
+    ax[1, 0].set(xscale="log", xlabel="replica groups G (group MTBF 1 week)", ylabel="progress vs failure-free DDP")
+    ax[1, 0].set(ylim=(0, 1.02), title="Goodput vs scale")
+
+    m64 = WEEK / 64
+    intervals = np.logspace(1, 4.5, 200)
+    for label, c, color in a_lines[1:]:
+        ax[1, 1].plot(intervals / 60, [goodput_a(c, m64, i) for i in intervals], color=color, label=label)
+        best = young_daly(c.c_ckpt, m64)
+        ax[1, 1].plot(best / 60, goodput_a(c, m64, best), "o", color=color)
+    ax[1, 1].axhline(progress_b(scale, m64, 64), ls="--", color="C2", label="B, G 64")
+    ax[1, 1].set(xscale="log", xlabel="A's checkpoint interval I (min); dots: Young/Daly I*", ylim=(0.5, 1.0))
+    ax[1, 1].set(ylabel="progress vs failure-free DDP", title=f"Checkpoint interval, G 64, job MTBF {human(m64)}")
+    for a in ax.flat:
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(
+        f"Whole-job restart (A, solid) vs lightning-ft (B, dashed). Measured: R_A {measured.r_a:g} s, "
+        f"c {measured.c_ckpt:g} s, D {measured.d:g} s, R_B {measured.r_b:g} s, o {measured.o:.3f}; "
+        f"at scale (assumed): c {scale.c_ckpt:g} s, D {scale.d:g} s, R_B {scale.r_b:g} s"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "img" / "cluster-model.png")
+    parser.add_argument("--out-md", type=Path, default=RESULTS / "cluster_model.md")
+    parser.add_argument("--ckpt-interval", type=float, default=None, help="A's interval in s (default: Young/Daly)")
+    parser.add_argument("--scale-restart", type=float, default=300.0, help="at-scale R_A, s")
+    parser.add_argument("--scale-ckpt", type=float, default=10.0, help="at-scale c_ckpt, s")
+    parser.add_argument("--scale-stall", type=float, default=10.0, help="at-scale D, s")
+    parser.add_argument("--scale-heal", type=float, default=60.0, help="at-scale R_B, s")
+    args = parser.parse_args()
+    measured, notes = load_measured(RESULTS)
+    scale = replace(measured, r_a=args.scale_restart, c_ckpt=args.scale_ckpt, d=args.scale_stall, r_b=args.scale_heal)
+    md = table(scenarios(measured, scale), args.ckpt_interval)
+    text = "\n".join(["Inputs: " + "; ".join(notes) + ".", "", md, ""])
+    print(text)
+    args.out_md.parent.mkdir(parents=True, exist_ok=True)
+    args.out_md.write_text(text)
+    plot(args.out_png, measured, scale, args.ckpt_interval)
+    print(f"wrote {args.out_md} and {args.out_png}")
+
+
+if __name__ == "__main__":
+    main()
