@@ -240,6 +240,16 @@ def main() -> None:
     args = parser.parse_args()
     measured, notes = load_measured(RESULTS)
     scale = replace(measured, r_a=args.scale_restart, c_ckpt=args.scale_ckpt, d=args.scale_stall, r_b=args.scale_heal)
+    # The costs measured here come from goodput.py's run (1M parameters, 3 workers on 2 cores), so the rows for this
+    # machine take that run's step-time ratio; the at-scale rows keep the long-step ratio of overhead.json.
+    local_o = (
+        find(json.loads((RESULTS / "goodput.json").read_text()), ("step_time_ratio",))
+        if (RESULTS / "goodput.json").exists()
+        else None
+    )
+    if local_o is not None:
+        measured = replace(measured, o=local_o)
+        notes.append(f"o = {local_o:.3f} for this machine's rows (step_time_ratio in goodput.json)")
     md = table(scenarios(measured, scale), args.ckpt_interval)
     text = "\n".join(["Inputs: " + "; ".join(notes) + ".", "", md, ""])
     print(text)

@@ -198,7 +198,11 @@ def model_inputs(runs: list[dict[str, Any]], restarts: list[str]) -> dict[str, f
         recs = [rec for r in runs if r["config"] == config and r["fail"] for rec in r["recoveries"]]
         return [rec[key] for rec in recs if rec.get(key) is not None]
 
+    clean = {r["config"]: r["steps"] for r in runs if not r["fail"]}
+    restart_clean = max((clean[c] for c in restarts if c in clean), default=float("nan"))
     return {
+        # failure-free steps of the restart baseline per failure-free step of ft, over the same horizon
+        "step_time_ratio": restart_clean / clean["ft"] if "ft" in clean else float("nan"),
         "restart_a_s": median([v for c in restarts for v in costs(c, "kill_to_first_step_s")]),
         "stall_s": median(costs("ft", "kill_to_survivors_commit_s")),
         "restart_heal_s": median(costs("ft", "kill_to_restarted_commit_s")),

@@ -4,14 +4,17 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
 
 * torchft 0.2.0's hook asserts on an internal future (``assert fut._fut``) that is ``None`` when a peer died in the
   middle of the allreduce, so the *survivor* crashes exactly when it should carry on. Here the error is left with
-  the Manager, which already recorded it (``should_commit()`` will then say no), and the hook returns a completed
-  future. The bucket's contents are garbage in that case, which is fine: the step is not committed.
+  the Manager (``should_commit()`` will then say no), and the hook's future completes with the bucket as it is.
+  Its contents are garbage in that case, which is fine: the step is not committed.
 * torchft's cross-group process group only links equal group ranks, so a group of several processes must reduce
   inside the group first, on the group's own process group, and only then across groups.
 * torchft's hook waits for each bucket's allreduce before it returns, so no communication overlaps the rest of the
-  backward pass. This hook returns the allreduce's own future instead (torchft's averaging and error capture
-  chained to it), as DDP's built-in hooks do: at 50 M parameters that is most of the difference between a step
-  with fault tolerance and one without (``docs/benchmarks.md``).
+  backward pass. This hook returns the process group's own future instead, with the average and the Manager's
+  error capture and timeout (``Manager.wrap_future``) chained to it, as DDP's built-in hooks do: at 50 M parameters
+  that is most of the difference between a step with fault tolerance and one without (``docs/benchmarks.md``).
+  torchft's own chain cannot be used for this (it only works when built after the allreduce has finished), so the
+  hook takes the process group's work from ``_ManagedWork._work``, an attribute of torchft 0.2.0 (pinned); where it
+  is missing, the hook waits, as torchft's does.
 * The non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) needs one pass over
   it. Each bucket is summed in the allreduce's completion callback, off the training thread and while the data is
   still in cache, so the commit gate only compares a few numbers (:attr:`FTCommState.bucket_sums`).

@@ -80,6 +80,13 @@ class CheckpointHTTPTransport(HTTPTransport):
     """torchft's HTTP transport: plain-data loads, the group's own advertised address, loopback when local."""
 
     def __init__(self, hostname: str, timeout: timedelta, num_chunks: int = 0) -> None:
+        if num_chunks:
+            # torchft's chunked fetch sends a pytree TreeSpec first, which a weights_only load refuses: it could never
+            # receive. The one-stream fetch is what the Manager uses.
+            raise ValueError(
+                f"lightning-ft: CheckpointHTTPTransport(num_chunks={num_chunks}) is not supported: a chunked heal's "
+                f"metadata is a pytree TreeSpec, which the safe (weights_only) load refuses. Use num_chunks=0."
+            )
         self._advertised = url_host(hostname)  # before torchft's constructor, which logs address()
         super().__init__(timeout=timeout, num_chunks=num_chunks)
         if is_loopback(hostname):
