@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_ft.addresses import LOOPBACK
+from lightning_ft.addresses import LOOPBACK, interface_address
 
 ProcessGroupName = Literal["auto", "gloo", "nccl"]
 TransportName = Literal["http", "pg"]
@@ -26,6 +26,7 @@ ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 # The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user).
+ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
 ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 
 
@@ -101,6 +102,37 @@ class FTSettings:
         return socket.gethostname()
 
 
+def _advertised_address(hostname: str | None, interface: str | None) -> str | None:
+    """The address a group advertises when one was chosen: by name or address (``hostname``, then
+    ``LIGHTNING_FT_HOSTNAME``), or by network interface (``interface``, then ``LIGHTNING_FT_INTERFACE``), whose IPv4
+    address is then used. An explicit argument wins over the environment; both kinds at once is an error."""
+    if hostname and interface:
+        raise FTConfigError(
+            f"hostname={hostname!r} and interface={interface!r}: choose the advertised address one way, not both."
+        )
+    if hostname:
+        return hostname
+    if not interface:
+        hostname = os.environ.get(ENV_HOSTNAME) or None
+        interface = os.environ.get(ENV_INTERFACE) or None
+        if hostname and interface:
+            raise FTConfigError(
+                f"{ENV_HOSTNAME}={hostname!r} and {ENV_INTERFACE}={interface!r} are both set: choose the advertised "
+                f"address one way, not both."
+            )
+        if hostname:
+            return hostname
+    if not interface:
+        return None
+    try:
+        return interface_address(interface)
+    except ValueError as error:
+        raise FTConfigError(
+            f"interface={interface!r} (or {ENV_INTERFACE}): {error}. Name the interface on the network that the other "
+            f"groups reach this one by, or set hostname= instead."
+        ) from None
+
+
 def resolve_settings(
     *,
     replica_group_id: int | None,
@@ -119,6 +151,7 @@ def resolve_settings(
     replica_id_prefix: str,
     skip_non_finite_steps: bool = True,
     lighthouse_outage_timeout: float | None = 600.0,
+    interface: str | None = None,
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -153,6 +186,7 @@ def resolve_settings(
         raise FTConfigError(f"checkpoint_transport={checkpoint_transport!r}: choose one of {', '.join(TRANSPORTS)}.")
     if max_retries is not None and max_retries < 0:
         raise FTConfigError(f"max_retries={max_retries}: must be None (retry forever) or a non-negative integer.")
+    hostname = _advertised_address(hostname, interface)
 
     return FTSettings(
         replica_group_id=group_id,
@@ -167,7 +201,7 @@ def resolve_settings(
         max_retries=max_retries,
         process_group=process_group,  # type: ignore[arg-type]
         checkpoint_transport=checkpoint_transport,  # type: ignore[arg-type]
-        hostname=hostname or os.environ.get(ENV_HOSTNAME) or None,
+        hostname=hostname,
         replica_id_prefix=replica_id_prefix,
         skip_non_finite_steps=bool(skip_non_finite_steps),
         lighthouse_outage_timeout=(

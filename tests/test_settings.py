@@ -59,3 +59,25 @@ def test_non_integer_environment_is_refused(monkeypatch):
     monkeypatch.setenv("REPLICA_GROUP_ID", "one")
     with pytest.raises(FTConfigError, match="REPLICA_GROUP_ID"):
         FTStrategy()
+
+
+def test_the_advertised_address_can_be_chosen_by_network_interface(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_FT_HOSTNAME", raising=False)
+    monkeypatch.delenv("LIGHTNING_FT_INTERFACE", raising=False)
+    assert FTStrategy(interface="lo").settings.hostname == "127.0.0.1"
+    monkeypatch.setenv("LIGHTNING_FT_INTERFACE", "lo")
+    assert FTStrategy().settings.hostname == "127.0.0.1"
+    assert FTStrategy(hostname="node-7").settings.hostname == "node-7"  # an argument wins over the environment
+
+
+def test_an_unknown_interface_or_two_choices_are_refused(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_FT_HOSTNAME", raising=False)
+    monkeypatch.delenv("LIGHTNING_FT_INTERFACE", raising=False)
+    with pytest.raises(FTConfigError, match=r"interface='no-such0'.*this machine has: .*lo"):
+        FTStrategy(interface="no-such0")
+    with pytest.raises(FTConfigError, match="not both"):
+        FTStrategy(hostname="node-7", interface="lo")
+    monkeypatch.setenv("LIGHTNING_FT_HOSTNAME", "node-7")
+    monkeypatch.setenv("LIGHTNING_FT_INTERFACE", "lo")
+    with pytest.raises(FTConfigError, match="LIGHTNING_FT_HOSTNAME='node-7' and LIGHTNING_FT_INTERFACE='lo'"):
+        FTStrategy()
