@@ -45,6 +45,7 @@ from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 from torchft.checkpointing import CheckpointTransport
 from torchft.checkpointing.pg_transport import PGTransport
+from torchft.manager import WorldSizeMode
 from torchft.process_group import ProcessGroup
 from typing_extensions import override
 
@@ -218,6 +219,9 @@ def build_manager(
             checkpoint_transport=transport,
             init_sync=settings.init_sync,
             max_retries=settings.max_retries,
+            world_size_mode=WorldSizeMode.FIXED_WITH_SPARES
+            if settings.world_size_mode == "fixed_with_spares"
+            else WorldSizeMode.DYNAMIC,
         )
     return ManagerHandle(
         manager=manager,

@@ -21,6 +21,7 @@ TransportName = Literal["http", "pg"]
 
 PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
 TRANSPORTS: tuple[str, ...] = ("http", "pg")
+WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
 
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
@@ -74,6 +75,9 @@ class FTSettings:
     replica_id_prefix: str
     skip_non_finite_steps: bool = True
     lighthouse_outage_timeout: timedelta | None = timedelta(seconds=600)
+    # torchft's WorldSizeMode: "dynamic" averages over every participating group; "fixed_with_spares" lets exactly
+    # min_replica_size groups contribute, the others are spares that stay healed and contribute zero.
+    world_size_mode: str = "dynamic"
 
     @property
     def replica_id(self) -> str:
@@ -152,6 +156,7 @@ def resolve_settings(
     skip_non_finite_steps: bool = True,
     lighthouse_outage_timeout: float | None = 600.0,
     interface: str | None = None,
+    world_size_mode: str = "dynamic",
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -186,6 +191,11 @@ def resolve_settings(
         raise FTConfigError(f"checkpoint_transport={checkpoint_transport!r}: choose one of {', '.join(TRANSPORTS)}.")
     if max_retries is not None and max_retries < 0:
         raise FTConfigError(f"max_retries={max_retries}: must be None (retry forever) or a non-negative integer.")
+    if world_size_mode not in WORLD_SIZE_MODES:
+        raise FTConfigError(
+            f"world_size_mode={world_size_mode!r}: choose one of {', '.join(WORLD_SIZE_MODES)} (fixed_with_spares: "
+            f"exactly min_replica_size groups contribute, the rest are hot spares)."
+        )
     hostname = _advertised_address(hostname, interface)
 
     return FTSettings(
@@ -209,4 +219,5 @@ def resolve_settings(
             if lighthouse_outage_timeout is None
             else _positive_seconds("lighthouse_outage_timeout", lighthouse_outage_timeout)
         ),
+        world_size_mode=world_size_mode,
     )

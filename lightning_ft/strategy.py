@@ -144,6 +144,12 @@ class FTStrategy(DDPStrategy):
         skip_non_finite_steps: When a step's averaged gradient has an inf or NaN, every replica skips the step (it does
             not commit; the batch is not retried) instead of writing NaN into every replica's weights. Counted and
             logged. One bad batch on one replica poisons the average, so without this every replica would diverge.
+        world_size_mode: How many groups contribute to a step. ``"dynamic"``: every group in the quorum, and the
+            gradient is averaged over however many there are (the effective batch follows the membership).
+            ``"fixed_with_spares"`` (torchft's ``WorldSizeMode.FIXED_WITH_SPARES``): exactly ``min_replica_size``
+            groups contribute; any others are hot spares that apply every committed step (so they stay healed) but
+            contribute zero, and one takes a dead group's place at the next quorum, without a heal. The effective
+            batch then stays ``min_replica_size`` groups' worth. See ``docs/elasticity.md``.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
             ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
             inner steps). See ``docs/semi-sync.md``.
@@ -193,6 +199,7 @@ class FTStrategy(DDPStrategy):
         replica_id_prefix: str = "lightning_ft_",
         skip_non_finite_steps: bool = True,
         lighthouse_outage_timeout: float | None = 600.0,
+        world_size_mode: str = "dynamic",
         algorithm: str = "ddp",
         sync_every: int | None = None,
         outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
@@ -270,6 +277,7 @@ class FTStrategy(DDPStrategy):
             replica_id_prefix=replica_id_prefix,
             skip_non_finite_steps=skip_non_finite_steps,
             lighthouse_outage_timeout=lighthouse_outage_timeout,
+            world_size_mode=world_size_mode,
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None

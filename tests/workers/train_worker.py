@@ -308,6 +308,8 @@ def main() -> None:
         help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
     )
     parser.add_argument("--quorum-timeout", type=float, default=60, help="FTStrategy(quorum_timeout=...)")
+    parser.add_argument("--min-replica-size", type=int, default=None, help="FTStrategy(min_replica_size=...)")
+    parser.add_argument("--world-size-mode", default=None, help="FTStrategy(world_size_mode=...)")
     parser.add_argument(
         "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
     )
@@ -342,6 +344,10 @@ def main() -> None:
         algorithm["fragment_sync_delay"] = args.fragment_sync_delay
     if args.lighthouse_outage_timeout is not None:  # only passed when set, as above
         algorithm["lighthouse_outage_timeout"] = args.lighthouse_outage_timeout
+    if args.min_replica_size is not None:  # only passed when set, as above
+        algorithm["min_replica_size"] = args.min_replica_size
+    if args.world_size_mode is not None:
+        algorithm["world_size_mode"] = args.world_size_mode
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:
