@@ -94,7 +94,10 @@ def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, An
                     "per_rep_ms": [round(r["step_s"] * 1000, 2) for r in mine],
                     "peak_rss_mib": rss / 2**20,
                     "rss_ratio_vs_ddp": rss / base_rss,
-                    "quorum_wait_ms": median([r["quorum_wait_s"] * 1000 for r in mine if "quorum_wait_s" in r]),
+                    # ft only: the training thread's median wait for a step's quorum
+                    "quorum_wait_ms": median([r["quorum_wait_s"] * 1000 for r in mine if "quorum_wait_s" in r])
+                    if mode == "ft"
+                    else None,
                 }
             )
     return rows
