@@ -26,9 +26,10 @@ WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
-# The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user).
-ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
+# The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user), or the
+# network interface whose address it advertises.
 ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
+ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
 
 
 class FTConfigError(ValueError):

@@ -45,6 +45,9 @@ def test_a_launcher_with_a_loopback_lighthouse_keeps_groups_on_loopback():
 def test_a_launcher_keeps_what_the_user_set():
     user = {ENV_HOSTNAME: "127.0.0.2", "GLOO_SOCKET_IFNAME": "eth9"}
     assert local_listener_environment("http://localhost:29510", user) == {}
+    # A chosen interface is a choice of address too: the launcher must not add a hostname beside it.
+    user = {"LIGHTNING_FT_INTERFACE": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    assert local_listener_environment("http://localhost:29510", user) == {}
 
 
 def test_a_launcher_with_a_remote_lighthouse_changes_nothing():

@@ -25,7 +25,13 @@ from lightning_ft.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft.cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft.events import ENV_EVENTS_DIR
 from lightning_ft.lighthouse import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
-from lightning_ft.settings import ENV_HOSTNAME, ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
+from lightning_ft.settings import (
+    ENV_HOSTNAME,
+    ENV_INTERFACE,
+    ENV_LIGHTHOUSE,
+    ENV_NUM_REPLICA_GROUPS,
+    ENV_REPLICA_GROUP_ID,
+)
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -154,7 +160,7 @@ def local_listener_environment(lighthouse: str, env: dict[str, str]) -> dict[str
     if not is_loopback(host):
         return {}
     extra = {}
-    if ENV_HOSTNAME not in env:
+    if ENV_HOSTNAME not in env and ENV_INTERFACE not in env:  # a chosen interface is the user's choice of address
         extra[ENV_HOSTNAME] = LOOPBACK
     interface = loopback_interface()
     if "GLOO_SOCKET_IFNAME" not in env and interface is not None:
