@@ -44,6 +44,8 @@ class FTCommState:
     group: dist.ProcessGroup | None
     group_world_size: int
     before_allreduce: Callable[[], None] = lambda: None
+    # Whether to sum each averaged bucket for the non-finite guard (FTStrategy(skip_non_finite_steps=...)).
+    sum_buckets: bool = True
     # The sum of each averaged bucket of the current step, appended by the completion callbacks: an inf or NaN in
     # a bucket makes its sum non-finite. The optimizer step takes them (see ``take_bucket_sums``).
     bucket_sums: list[torch.Tensor] = field(default_factory=list)
@@ -81,7 +83,8 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     def average(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         done.value()  # the allreduce's error, if any, goes to wrap_future, which reports it to the Manager
         buffer.div_(participants)
-        state.bucket_sums.append(buffer.sum(dtype=torch.float32))
+        if state.sum_buckets:
+            state.bucket_sums.append(buffer.sum(dtype=torch.float32))
         return buffer
 
     return manager.wrap_future(process_group_work.get_future().then(average), default=buffer)

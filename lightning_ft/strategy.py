@@ -597,6 +597,7 @@ class FTStrategy(DDPStrategy):
             group=None,
             group_world_size=self.world_size,
             before_allreduce=self.step_protocol.require_quorum,
+            sum_buckets=self.settings.skip_non_finite_steps,
         )
         self.model.register_comm_hook(self._comm_state, ft_allreduce_hook)
 

@@ -147,3 +147,12 @@ def test_a_healing_group_reads_the_peer_state_once_and_exactly():
     assert received["counters"] == state["counters"]
     received["column"].fill_(0)  # shares its storage with the received matrix, as it did with the sent one
     assert torch.equal(received["matrix"][:, 2], torch.zeros(7))
+
+
+def test_buckets_are_not_summed_when_the_non_finite_guard_is_off():
+    manager = SwallowingManager(participants=2)
+    state = FTCommState(manager=manager, group=None, group_world_size=1, sum_buckets=False)
+    future = ft_allreduce_hook(state, Bucket(torch.full((4,), 6.0)))
+    manager.work._work.future.set_result([torch.full((4,), 6.0)])
+    future.wait()
+    assert state.take_bucket_sums() == []
