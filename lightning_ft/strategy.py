@@ -85,6 +85,7 @@ from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
 from lightning_ft.collectives import CrossGroupCollectives
 from lightning_ft.comm import FTCommState, fsdp_cross_group_hook, ft_allreduce_hook
 from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
+from lightning_ft.exactly_once import ExactlyOnceData, StepPlacement, exactly_once_loader, resolve_data_mode
 from lightning_ft.hsdp import checkpoint as sharded_checkpoint
 from lightning_ft.hsdp.config import DataParallelSettings, resolve_data_parallel
 from lightning_ft.hsdp.sharding import fsdp_modules, group_mesh, is_sharded, shard_module
@@ -150,6 +151,13 @@ class FTStrategy(DDPStrategy):
             groups contribute; any others are hot spares that apply every committed step (so they stay healed) but
             contribute zero, and one takes a dead group's place at the next quorum, without a heal. The effective
             batch then stays ``min_replica_size`` groups' worth. See ``docs/elasticity.md``.
+        data_mode: Which samples each group reads. ``"sharded"``: each group reads its own fixed shard (torchft's
+            sampler does the same); a dead group's shard is skipped until it is back, and a healed group goes on in
+            its own shard from its peer's batch index. ``"exactly_once"``: each committed step reads the next
+            ``participants × group size × batch_size`` samples of one permutation per epoch, so no sample of an
+            epoch is skipped or read twice whoever dies or joins (:mod:`lightning_ft.exactly_once`). It needs
+            synchronous quorum (the default in that mode), ``algorithm="ddp"``, a map-style dataset and
+            ``accumulate_grad_batches=1``. See ``docs/elasticity.md``.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
             ``sync_every`` inner steps) or ``"diloco"`` (pseudo-gradients and an outer optimizer every ``sync_every``
             inner steps). See ``docs/semi-sync.md``.
@@ -200,6 +208,7 @@ class FTStrategy(DDPStrategy):
         skip_non_finite_steps: bool = True,
         lighthouse_outage_timeout: float | None = 600.0,
         world_size_mode: str = "dynamic",
+        data_mode: str = "sharded",
         algorithm: str = "ddp",
         sync_every: int | None = None,
         outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
@@ -221,6 +230,8 @@ class FTStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
+        self.data_mode: str = data_mode
+        use_async_quorum = resolve_data_mode(data_mode, algorithm, use_async_quorum)
         self.data_parallel: DataParallelSettings = resolve_data_parallel(
             data_parallel=data_parallel,
             algorithm=algorithm,
@@ -287,6 +298,8 @@ class FTStrategy(DDPStrategy):
         self._sigterm_deadline = SigtermDeadline()
         self._device_mesh: DeviceMesh | None = None
         self._comm_state: FTCommState | None = None
+        self._exactly_once: ExactlyOnceData | None = None
+        self._preparing_train_data = False
 
     @staticmethod
     def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
@@ -343,6 +356,12 @@ class FTStrategy(DDPStrategy):
         if self._telemetry is None:
             raise RuntimeError("FTStrategy.telemetry is only available while fitting, validating or testing.")
         return self._telemetry
+
+    @property
+    def exactly_once_data(self) -> ExactlyOnceData | None:
+        """With ``data_mode="exactly_once"`` while fitting: the schedule, the last step's placement and samples, and
+        the refetch count. ``None`` otherwise."""
+        return self._exactly_once
 
     @property
     def replica_group_id(self) -> int:
@@ -440,9 +459,11 @@ class FTStrategy(DDPStrategy):
 
         # DataPositionCallback first: it records each step's starting position before QuorumCallback opens the quorum
         # (SyncCallback, a sync's quorum). FaultToleranceMonitor after QuorumCallback: it reports the step's vote.
+        from lightning_ft.callbacks.exactly_once import ExactlyOnceDataCallback
+
         opens_quorums = SyncCallback if self.algorithm.semi_sync else QuorumCallback
         defaults = [
-            DataPositionCallback,
+            ExactlyOnceDataCallback if self.data_mode == "exactly_once" else DataPositionCallback,
             opens_quorums,
             StateTransferCallback,
             ManagerCheckpointCallback,
@@ -464,6 +485,8 @@ class FTStrategy(DDPStrategy):
             self._warn_unsynced_tail(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._name_checkpoints_alike_in_every_group(trainer)
+            if self.data_mode == "exactly_once":
+                self._prepare_exactly_once(trainer)
         if self._collectives is not None:
             self._keep_dataloader_checks_group_local(trainer)
             self._sync_metrics_across_groups()
@@ -555,6 +578,69 @@ class FTStrategy(DDPStrategy):
                 period,
                 trainer.max_steps % period,
             )
+
+    # ------------------------------------------------------------------ exactly-once data
+    def _prepare_exactly_once(self, trainer: pl.Trainer) -> None:
+        """Mark the training dataloader's setup, so that :meth:`process_dataloader` rebuilds that loader only."""
+        if trainer.accumulate_grad_batches != 1:
+            raise FTConfigError(
+                f"data_mode='exactly_once' with accumulate_grad_batches={trainer.accumulate_grad_batches}: a step's "
+                "samples are known only once its quorum has formed, at its first micro-batch. Use "
+                "accumulate_grad_batches=1 with a larger batch_size, or data_mode='sharded'."
+            )
+        fit_loop = trainer.fit_loop
+        setup_data: Callable[[], None] = fit_loop.setup_data
+
+        def setup_train_data() -> None:
+            self._preparing_train_data = True
+            try:
+                setup_data()
+            finally:
+                self._preparing_train_data = False
+
+        self._patch(fit_loop, "setup_data", setup_train_data)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With exactly-once data, the training loader reads the samples the committed state assigns (see
+        :mod:`lightning_ft.exactly_once`); other loaders are left alone."""
+        if not self._preparing_train_data:
+            return super().process_dataloader(dataloader)
+        settings = self.settings
+        spares = settings.world_size_mode == "fixed_with_spares"
+        participants = settings.min_replica_size if spares else settings.num_replica_groups
+        own_rank = settings.replica_group_id if settings.replica_group_id < participants else None
+        loader, self._exactly_once = exactly_once_loader(
+            dataloader,
+            group_size=self.world_size,
+            group_rank=self.global_rank,
+            participants_guess=participants,
+            rank_guess=own_rank,
+            committed=self.manager.batches_committed,
+        )
+        return loader
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """With exactly-once data, a training batch is where the step's (synchronous) quorum opens: a behind group
+        heals here, then the batch is checked against the samples the quorum assigns and refetched if the loader's
+        prediction was wrong."""
+        data = self._exactly_once
+        trainer = self.lightning_module.trainer
+        if data is not None and trainer.training:
+            self.step_protocol.open_quorum()
+            manager = self.manager
+            placement = StepPlacement(
+                cursor=manager.batches_committed(),
+                participants=manager.num_participants(),
+                participating_rank=manager.participating_rank(),
+            )
+            batch, refetched = data.batch_for_step(batch, placement)
+            if refetched:
+                batch = trainer.precision_plugin.convert_input(batch)
+                batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+                events.emit("data_refetched", step=manager.current_step(), cursor=placement.cursor)
+        return super().batch_to_device(batch, device=device, dataloader_idx=dataloader_idx)
 
     def _patch(self, target: object, name: str, replacement: Callable[..., Any]) -> None:
         """Shadow a bound method with an instance attribute, undone at teardown (a trainer may fit again)."""
@@ -775,6 +861,7 @@ class FTStrategy(DDPStrategy):
         self._patches.clear()
         self._collectives = None
         self._comm_state = None
+        self._exactly_once = None
         if self._handle is not None:
             self._handle.shutdown()
             self._handle = None

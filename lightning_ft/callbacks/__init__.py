@@ -11,6 +11,8 @@
   gradients on one replica at a chosen step.
 * :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
   resume.
+* :class:`ExactlyOnceDataCallback` takes its place with ``data_mode="exactly_once"``: it ends each epoch at the
+  committed step that consumed its permutation, in every group alike.
 * :class:`FaultToleranceMonitor` logs the ``ft/`` metrics to the Trainer's loggers, shows ``replicas P/N`` in the
   progress bar, and records exceptions in the event log.
 """
@@ -18,6 +20,7 @@
 from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
 from lightning_ft.callbacks.consistency import ReplicaConsistencyCheck, ReplicaDivergedError
 from lightning_ft.callbacks.data_position import DataPositionCallback
+from lightning_ft.callbacks.exactly_once import ExactlyOnceDataCallback
 from lightning_ft.callbacks.failure_injector import Failure, FailureInjector, InjectedFailure
 from lightning_ft.callbacks.monitor import FaultToleranceMonitor
 from lightning_ft.callbacks.quorum import QuorumCallback
@@ -26,6 +29,7 @@ from lightning_ft.callbacks.transfer import StateTransferCallback
 
 __all__ = [
     "DataPositionCallback",
+    "ExactlyOnceDataCallback",
     "Failure",
     "FailureInjector",
     "FaultToleranceMonitor",
