@@ -628,7 +628,10 @@ class FTStrategy(DDPStrategy):
         data = self._exactly_once
         trainer = self.lightning_module.trainer
         if data is not None and trainer.training:
-            self.step_protocol.open_quorum()
+            protocol = self.step_protocol
+            if not protocol.quorums_opened:
+                events.emit("joining", step=self.manager.current_step())
+            protocol.open_quorum()
             manager = self.manager
             placement = StepPlacement(
                 cursor=manager.batches_committed(),

@@ -35,7 +35,8 @@ class QuorumCallback(Callback):
     ) -> None:
         protocol = ft_step_protocol(trainer)
         if not self._joined:
-            events.emit("joining", step=protocol.manager.current_step())
+            if not protocol.quorums_opened:  # (exactly-once data opens it before the batch starts, and says so)
+                events.emit("joining", step=protocol.manager.current_step())
             self._joined = True
         protocol.open_quorum()
         committed = protocol.manager.current_step()

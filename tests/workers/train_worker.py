@@ -127,15 +127,44 @@ class IndexedDataset(Dataset):
 
 
 class RecordBatches(pl.Callback):
-    """Emit a ``batch`` event per training batch: the committed step after it, the loop position, the sample ids."""
+    """Record the sample ids of every training batch, twice.
+
+    * ``trained``, before the commit vote (the gradients are averaged by then): the step, its quorum, whether this
+      group contributes (``replica_rank``) and the ids. A group killed after the vote but before the batch ends has
+      still contributed to a step its peers committed; this record survives it.
+    * ``batch``, at the batch end: the committed step after it, the loop position, the ids, and the vote.
+    """
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._key: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+        self._ids = batch[2].tolist()
+        self._key = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        manager = trainer.strategy.manager
+        self._key = {"vote_step": manager.current_step(), "quorum_id": getattr(manager, "_quorum_id", None)}
+        events.emit(
+            "trained",
+            **self._key,
+            cursor=manager.batches_committed(),
+            epoch=trainer.current_epoch,
+            replica_rank=manager.participating_rank(),
+            participants=manager.num_participants(),
+            ids=self._ids,
+        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         events.emit(
             "batch",
+            **self._key,
             step=trainer.global_step,
             epoch=trainer.current_epoch,
             batch_idx=trainer.fit_loop.batch_idx,
             ids=batch[2].tolist(),
+            committed=trainer.strategy.step_protocol.last_step_committed,
         )
 
 
@@ -310,6 +339,7 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=60, help="FTStrategy(quorum_timeout=...)")
     parser.add_argument("--min-replica-size", type=int, default=None, help="FTStrategy(min_replica_size=...)")
     parser.add_argument("--world-size-mode", default=None, help="FTStrategy(world_size_mode=...)")
+    parser.add_argument("--data-mode", default=None, help="FTStrategy(data_mode=...): sharded or exactly_once")
     parser.add_argument(
         "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
     )
@@ -348,6 +378,8 @@ def main() -> None:
         algorithm["min_replica_size"] = args.min_replica_size
     if args.world_size_mode is not None:
         algorithm["world_size_mode"] = args.world_size_mode
+    if args.data_mode is not None:
+        algorithm["data_mode"] = args.data_mode
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:
@@ -355,7 +387,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=FTStrategy(
             **algorithm,
-            use_async_quorum=bool(args.async_quorum),
+            use_async_quorum=bool(args.async_quorum) and args.data_mode != "exactly_once",
             checkpoint_transport=args.transport,
             timeout=args.timeout,
             quorum_timeout=args.quorum_timeout,

@@ -1,0 +1,182 @@
+"""Exactly-once data (``FTStrategy(data_mode="exactly_once")``) with real processes, real kills and a late join,
+against the default sharded (lossy) mode under the same membership changes.
+
+One schedule for both modes: groups 0 and 1 start (of 3 configured); group 1 is SIGKILLed and restarted by torchrun;
+group 2 joins late through a second ``lightning-ft launch --group-ids 2``; group 0 is SIGKILLed and restarted. Every
+process records the sample ids it trained on before each commit vote (``trained`` events) and the vote's outcome at
+the end of the batch (``batch`` events, see ``tests/workers/train_worker.py``). A contribution counts when the step
+it belongs to (its vote step and quorum id) was committed by any group: a group killed after the vote has still
+contributed to a step its peers committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import LaunchedJob, assert_bit_identical, launch_job
+from test_fault_tolerance import GATES, kill_and_restart
+
+from lightning_ft.exactly_once import epoch_permutation
+
+pytestmark = [pytest.mark.multiprocess]
+
+SAMPLES = 1024  # 64 batches of 16: a run crosses a few epoch boundaries
+BATCH = 16
+MAX_STEPS = 100
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def committed_contributions(job: LaunchedJob) -> list[dict[str, Any]]:
+    """Every ``trained`` record of a contributing group whose step was committed; for a step attempted twice under the
+    same quorum (a vote that failed), a group's last attempt."""
+    committed = {(e["vote_step"], e["quorum_id"]) for e in job.events("batch", committed=True)}
+    last: dict[tuple[int, int, int, Any], dict[str, Any]] = {}
+    for record in job.events("trained"):
+        key = (record["vote_step"], record["quorum_id"])
+        if record["replica_rank"] is not None and key in committed:
+            last[(record["group"], record["pid"], *key)] = record
+    return list(last.values())
+
+
+def commits_with(job: LaunchedJob, group: int, participants: int, after: float = 0.0) -> int:
+    return len(
+        [
+            e
+            for e in job.events("step", group=group, committed=True)
+            if e["participants"] == participants and e["time"] > after
+        ]
+    )
+
+
+def pause(root: Path, *groups: int) -> None:
+    for group in groups:
+        (root / f"pause.group{group}").touch()
+
+
+def resume(root: Path, *groups: int) -> None:
+    for group in groups:
+        (root / f"pause.group{group}").unlink()
+
+
+def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
+    """Run the schedule above; returns the committed contributions. Asserts the run itself went as planned."""
+    port = free_port()
+    worker_args = [
+        f"--max-steps={MAX_STEPS}",
+        f"--index-data={SAMPLES}",
+        f"--batch-size={BATCH}",
+        f"--data-mode={data_mode}",
+        "--async-quorum=0",
+        *GATES,
+    ]
+    first = launch_job(
+        root,
+        groups=3,
+        worker_args=worker_args,
+        launcher_args=[f"--lighthouse-bind=127.0.0.1:{port}", "--group-ids=0,1"],
+        log_name="first.log",
+    )
+    late: LaunchedJob | None = None
+    try:
+        first.wait_for("groups 0 and 1 to start", lambda: first.worker_pid(0, 0) and first.worker_pid(1, 0))
+        (root / "go").touch()
+        kill_and_restart(first, victim=1, rank=0, survivor=0)
+
+        first.wait_for("group 0 to commit 3 steps with the restarted group 1", lambda: commits_with(first, 0, 2) >= 6)
+        pause(root, 0, 1)  # until the late group asks for its first quorum, so that it joins before they finish
+        late = launch_job(
+            root,
+            groups=3,
+            worker_args=worker_args,
+            launcher_args=[f"--lighthouse=http://127.0.0.1:{port}", "--group-ids=2"],
+            log_name="late.log",
+        )
+        late.wait_for("group 2 to ask for its first quorum", lambda: late.events("joining", group=2))
+        resume(root, 0, 1)
+        late.wait_for("group 2 to commit 3 steps with groups 0 and 1", lambda: commits_with(late, 2, 3) >= 3)
+
+        victim_pid = first.worker_pid(0, 0)
+        killed_at = time.time()
+        os.kill(victim_pid, signal.SIGKILL)
+        first.wait_for(
+            "groups 1 and 2 to commit 3 steps without group 0", lambda: commits_with(first, 1, 2, killed_at) >= 3
+        )
+        pause(root, 1, 2)
+        restarted = first.wait_for("torchrun to restart group 0", lambda: first.worker_pid(0, 0, 1))
+        first.wait_for("group 0 to ask for its first quorum again", lambda: first.events("joining", pid=restarted))
+        resume(root, 1, 2)
+
+        assert first.wait_exit() == 0, first.tail()
+        assert late.wait_exit() == 0, late.tail()
+    finally:
+        first.stop()
+        if late is not None:
+            late.stop()
+
+    states = first.final_states()
+    assert sorted(states) == [(0, 0), (1, 0), (2, 0)], sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == MAX_STEPS and state["manager_step"] == MAX_STEPS, (key, state["global_step"])
+    assert_bit_identical(states)
+    for group in (0, 1):  # both killed groups came back through a heal from a live peer
+        assert [e for e in first.events("healed", group=group) if e["step"] > 0], first.tail()
+    return committed_contributions(first)
+
+
+def multiset_difference(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
+    """(in ``a`` more often than in ``b``, in ``b`` more often than in ``a``), each sorted."""
+    count_a, count_b = collections.Counter(a), collections.Counter(b)
+    return sorted((count_a - count_b).elements()), sorted((count_b - count_a).elements())
+
+
+@pytest.mark.timeout(420)
+def test_exactly_once_data_reads_a_prefix_of_the_permutation_through_kills_and_a_late_join(tmp_path):
+    contributions = run_membership_changes(tmp_path / "job", "exactly_once")
+
+    trained = [i for record in contributions for i in record["ids"]]
+    full_epochs, rest = divmod(len(trained), SAMPLES)
+    expected = [i for e in range(full_epochs) for i in epoch_permutation(SAMPLES, e).tolist()]
+    expected += epoch_permutation(SAMPLES, full_epochs)[:rest].tolist()
+    extra, missing = multiset_difference(trained, expected)
+    assert not extra and not missing, f"trained twice or outside the prefix: {extra[:20]}; skipped: {missing[:20]}"
+    assert full_epochs >= 1, f"the run should cross an epoch boundary; it trained {len(trained)} samples"
+
+    # Epoch by epoch, from where each group batch lies in the stream: no repeats, and the samples the permutation
+    # has at those places.
+    batches_per_epoch = SAMPLES // BATCH
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    for record in contributions:
+        group_batch = record["cursor"] + record["replica_rank"]
+        epoch, position = divmod(group_batch, batches_per_epoch)
+        order = epoch_permutation(SAMPLES, epoch).tolist()
+        assert record["ids"] == order[position * BATCH : (position + 1) * BATCH], record
+        by_epoch[epoch].extend(record["ids"])
+    for epoch, ids in by_epoch.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch} trained a sample twice"
+    # Group batches were consumed with no gap: every committed step took the next `participants` of them.
+    consumed = sorted(record["cursor"] + record["replica_rank"] for record in contributions)
+    assert consumed == list(range(len(consumed))), "a group batch was skipped or consumed twice"
+
+
+@pytest.mark.timeout(420)
+def test_the_default_sharded_mode_skips_samples_under_the_same_membership_changes(tmp_path):
+    """torchft documents its sampler as lossy; this shows it. While a group is dead or not yet there, nobody reads
+    its shard, and a group that heals continues its shard from its peer's batch index."""
+    contributions = run_membership_changes(tmp_path / "job", "sharded")
+
+    first_epoch = [i for record in contributions if record["epoch"] == 0 for i in record["ids"]]
+    assert max(record["epoch"] for record in contributions) >= 1, "the run should finish its first epoch"
+    skipped = SAMPLES - len(set(first_epoch))
+    assert skipped > 0, "the sharded mode trained every sample of the first epoch despite the membership changes"
