@@ -1,7 +1,8 @@
 """One process of an overhead benchmark run (started by ``benchmarks/overhead.py``; not meant to be run by hand).
 
 ``--mode ddp``: one of 2 ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun --nproc-per-node 2``.
-``--mode ft``: one replica group of 1 process with ``FTStrategy`` (its defaults), under ``lightning-ft launch``.
+``--mode ft``: one replica group of 1 process with ``FTStrategy`` (its defaults, or ``--ft-args``), under
+``lightning-ft launch``.
 ``--mode torchft``: one replica group of raw torchft without Lightning, the torchft README's loop: ``torchft.Manager``,
 ``torchft.ddp.DistributedDataParallel`` and ``torchft.optim.OptimizerWrapper``, under ``lightning-ft launch``.
 
@@ -48,6 +49,7 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
 
     quorum_wait = [0.0]
     waits: list[float] = []
+    refetches = [0]
 
     class StepClock(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -55,12 +57,14 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
             if isinstance(trainer.strategy, FTStrategy):
                 quorum_wait[0] = trainer.strategy.telemetry.quorum_wait_seconds_total
                 waits.append(quorum_wait[0])
+                data = trainer.strategy.exactly_once_data
+                refetches[0] = data.refetches if data is not None else 0
 
     if args.mode == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         devices, world = 2, 2
     else:
-        strategy = FTStrategy()
+        strategy = FTStrategy(**json.loads(args.ft_args))
         devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     data = SyntheticRegression(size.width, size.batch_size, length=args.steps * size.batch_size * world)
     trainer = pl.Trainer(
@@ -84,6 +88,7 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     if args.mode == "ft":  # where the training thread waited for the quorum (strategy.telemetry, the ft/ metrics)
         extra["quorum_wait_s_total"] = quorum_wait[0]
         extra["quorum_wait_s_by_step"] = waits
+        extra["refetches"] = refetches[0]
     if trainer.global_rank == 0 or args.mode == "ft":
         write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, extra)
 
@@ -138,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ft-args", default="{}", help="--mode ft: FTStrategy keyword arguments, as JSON")
     args = parser.parse_args()
     run = run_torchft if args.mode == "torchft" else run_lightning
     profile_to = os.environ.get("BENCH_PROFILE")  # a directory: where to find the per-step costs (cProfile)

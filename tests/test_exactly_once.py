@@ -3,10 +3,11 @@ against the default sharded (lossy) mode under the same membership changes.
 
 One schedule for both modes: groups 0 and 1 start (of 3 configured); group 1 is SIGKILLed and restarted by torchrun;
 group 2 joins late through a second ``lightning-ft launch --group-ids 2``; group 0 is SIGKILLed and restarted. Every
-process records the sample ids it trained on before each commit vote (``trained`` events) and the vote's outcome at
-the end of the batch (``batch`` events, see ``tests/workers/train_worker.py``). A contribution counts when the step
-it belongs to (its vote step and quorum id) was committed by any group: a group killed after the vote has still
-contributed to a step its peers committed.
+process records the sample ids of each batch before its gradient can leave the process (``trained`` events) and the
+vote's outcome at the end of the batch (``batch`` events, see ``tests/workers/train_worker.py``). A contribution
+counts when the step it belongs to (its vote step and quorum id) was committed by any group: an allreduce completes
+only with every participant's gradient, so a group killed after sending its gradient has still contributed to a step
+its peers committed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 from harness import LaunchedJob, assert_bit_identical, launch_job
-from test_fault_tolerance import GATES, kill_and_restart
+from test_fault_tolerance import GATES, assert_outcome, kill_and_restart, start_together
 
 from lightning_ft.exactly_once import epoch_permutation
 
@@ -58,6 +59,10 @@ def commits_with(job: LaunchedJob, group: int, participants: int, after: float =
             if e["participants"] == participants and e["time"] > after
         ]
     )
+
+
+def commits_since(job: LaunchedJob, group: int, since: float) -> int:
+    return len([e for e in job.events("step", group=group, committed=True) if e["time"] > since])
 
 
 def pause(root: Path, *groups: int) -> None:
@@ -110,8 +115,11 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
         victim_pid = first.worker_pid(0, 0)
         killed_at = time.time()
         os.kill(victim_pid, signal.SIGKILL)
+        # The survivors commit again, without group 0 or (if its restart was quick) with it healed; either way
+        # they must not finish before the restarted group 0 is back.
         first.wait_for(
-            "groups 1 and 2 to commit 3 steps without group 0", lambda: commits_with(first, 1, 2, killed_at) >= 3
+            "group 1 or 2 to commit a step after the kill",
+            lambda: any(commits_since(first, group, killed_at) for group in (1, 2)),
         )
         pause(root, 1, 2)
         restarted = first.wait_for("torchrun to restart group 0", lambda: first.worker_pid(0, 0, 1))
@@ -141,10 +149,9 @@ def multiset_difference(a: list[int], b: list[int]) -> tuple[list[int], list[int
     return sorted((count_a - count_b).elements()), sorted((count_b - count_a).elements())
 
 
-@pytest.mark.timeout(420)
-def test_exactly_once_data_reads_a_prefix_of_the_permutation_through_kills_and_a_late_join(tmp_path):
-    contributions = run_membership_changes(tmp_path / "job", "exactly_once")
-
+def assert_exactly_once(contributions: list[dict[str, Any]], group_size: int = 1) -> None:
+    """The committed contributions read a prefix of the permutation stream: each epoch's permutation once, in order
+    of the group batches, with no gap and no repeat."""
     trained = [i for record in contributions for i in record["ids"]]
     full_epochs, rest = divmod(len(trained), SAMPLES)
     expected = [i for e in range(full_epochs) for i in epoch_permutation(SAMPLES, e).tolist()]
@@ -154,20 +161,48 @@ def test_exactly_once_data_reads_a_prefix_of_the_permutation_through_kills_and_a
     assert full_epochs >= 1, f"the run should cross an epoch boundary; it trained {len(trained)} samples"
 
     # Epoch by epoch, from where each group batch lies in the stream: no repeats, and the samples the permutation
-    # has at those places.
-    batches_per_epoch = SAMPLES // BATCH
+    # has at those places, rank by rank.
+    group_batch_size = BATCH * group_size
+    batches_per_epoch = SAMPLES // group_batch_size
     by_epoch: dict[int, list[int]] = collections.defaultdict(list)
     for record in contributions:
         group_batch = record["cursor"] + record["replica_rank"]
         epoch, position = divmod(group_batch, batches_per_epoch)
-        order = epoch_permutation(SAMPLES, epoch).tolist()
-        assert record["ids"] == order[position * BATCH : (position + 1) * BATCH], record
+        start = position * group_batch_size + record["rank"] * BATCH
+        assert record["ids"] == epoch_permutation(SAMPLES, epoch)[start : start + BATCH].tolist(), record
         by_epoch[epoch].extend(record["ids"])
     for epoch, ids in by_epoch.items():
         assert len(ids) == len(set(ids)), f"epoch {epoch} trained a sample twice"
     # Group batches were consumed with no gap: every committed step took the next `participants` of them.
-    consumed = sorted(record["cursor"] + record["replica_rank"] for record in contributions)
-    assert consumed == list(range(len(consumed))), "a group batch was skipped or consumed twice"
+    for rank in range(group_size):
+        consumed = sorted(r["cursor"] + r["replica_rank"] for r in contributions if r["rank"] == rank)
+        assert consumed == list(range(len(consumed))), f"rank {rank}: a group batch was skipped or consumed twice"
+
+
+@pytest.mark.timeout(420)
+def test_exactly_once_data_reads_a_prefix_of_the_permutation_through_kills_and_a_late_join(tmp_path):
+    assert_exactly_once(run_membership_changes(tmp_path / "job", "exactly_once"))
+
+
+@pytest.mark.timeout(300)
+def test_exactly_once_data_in_groups_of_two_processes(launch):
+    """2 groups × 2 processes: each rank reads its half of its group's batch; a killed rank takes its group down,
+    torchrun restarts it, and it heals and reads on where the committed state says."""
+    job = launch(
+        groups=2,
+        nproc_per_group=2,
+        worker_args=[
+            f"--max-steps={MAX_STEPS}",
+            f"--index-data={SAMPLES}",
+            f"--batch-size={BATCH}",
+            "--data-mode=exactly_once",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=2, nproc=2)
+    kill_and_restart(job, victim=1, rank=1, survivor=0, nproc=2)
+    assert_outcome(job, restarted=1, max_steps=MAX_STEPS, replicas=4)
+    assert_exactly_once(committed_contributions(job), group_size=2)
 
 
 @pytest.mark.timeout(420)

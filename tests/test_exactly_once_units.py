@@ -223,3 +223,18 @@ def test_a_resumed_fit_reads_on_from_the_committed_position(tmp_path):
 def test_accumulation_is_refused_with_the_fix():
     with pytest.raises(FTConfigError, match="accumulate_grad_batches=1"):
         fit(max_steps=2, accumulate_grad_batches=2)
+
+
+def test_with_stable_membership_every_prediction_holds_and_the_monitor_reports_no_refetch():
+    from lightning_ft.callbacks import FaultToleranceMonitor
+
+    reported: list[float] = []
+
+    class ReadMetrics(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            reported.append(FaultToleranceMonitor.metrics(trainer)["ft/data_refetches"])
+
+    model = RecordIds()
+    run = trainer(strategy=FTStrategy(data_mode="exactly_once"), callbacks=[ReadMetrics()], max_steps=15)
+    run.fit(model, DataLoader(Ids(42), batch_size=4, shuffle=True, num_workers=2))
+    assert reported == [0.0] * 15

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
+from lightning_ft.exactly_once import ExactlyOnceData
 
 PREFIX = "ft/"
 
@@ -50,6 +51,8 @@ class FaultToleranceMonitor(Callback):
     ``ft/heal_seconds``                   the latest heal's duration (receive + apply); from the first heal on
     ``ft/quorum_wait_seconds``            how long this step's training thread waited for its quorum
     ``ft/quorum_wait_seconds_total``      all quorum waits of this process, sync sections included
+    ``ft/data_refetches``                 ``data_mode="exactly_once"`` only: batches read again in this process
+                                          because the loader's prediction of the step's placement was wrong
     ====================================  ===================================================================
 
     **Progress bar.** ``replicas P/N`` (participants of the latest quorum / ``num_replica_groups``), through the
@@ -134,6 +137,9 @@ class FaultToleranceMonitor(Callback):
             values["quorum_wait_seconds_total"] = telemetry.quorum_wait_seconds_total
         with contextlib.suppress(RuntimeError):  # a strategy without a StepProtocol
             values["non_finite_skips"] = ft_step_protocol(trainer).non_finite_skips
+        data = getattr(trainer.strategy, "exactly_once_data", None)
+        if isinstance(data, ExactlyOnceData):
+            values["data_refetches"] = data.refetches
         return {PREFIX + name: float(value) for name, value in values.items()}
 
     # ------------------------------------------------------------------ failures

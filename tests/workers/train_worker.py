@@ -129,21 +129,31 @@ class IndexedDataset(Dataset):
 class RecordBatches(pl.Callback):
     """Record the sample ids of every training batch, twice.
 
-    * ``trained``, before the commit vote (the gradients are averaged by then): the step, its quorum, whether this
-      group contributes (``replica_rank``) and the ids. A group killed after the vote but before the batch ends has
-      still contributed to a step its peers committed; this record survives it.
+    * ``trained``, before the batch's gradient can leave this process: the step, its quorum, whether this group
+      contributes (``replica_rank``), the committed position (``cursor``) and the ids. If any group then commits
+      that step under that quorum, every participant's gradient was in its average (an allreduce completes only
+      with all of them), so the record counts even when this process is killed before the vote. Taken at batch
+      start with a synchronous quorum (formed by then); with an asynchronous one, before the optimizer step (the
+      record may then miss a contribution sent just before a kill; no test relies on it there).
     * ``batch``, at the batch end: the committed step after it, the loop position, the ids, and the vote.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quorum_formed_at_batch_start: bool) -> None:
+        self._at_batch_start = quorum_formed_at_batch_start
         self._ids: list[int] = []
         self._key: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
         self._ids = batch[2].tolist()
         self._key = {}
+        if self._at_batch_start:
+            self._record(trainer)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if not self._at_batch_start:
+            self._record(trainer)
+
+    def _record(self, trainer: pl.Trainer) -> None:
         manager = trainer.strategy.manager
         self._key = {"vote_step": manager.current_step(), "quorum_id": getattr(manager, "_quorum_id", None)}
         events.emit(
@@ -361,7 +371,8 @@ def main() -> None:
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.index_data is not None:
-        callbacks.append(RecordBatches())
+        sync_quorum = not args.async_quorum or args.data_mode == "exactly_once"
+        callbacks.append(RecordBatches(quorum_formed_at_batch_start=sync_quorum))
     if args.ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
