@@ -235,6 +235,9 @@ def test_with_stable_membership_every_prediction_holds_and_the_monitor_reports_n
             reported.append(FaultToleranceMonitor.metrics(trainer)["ft/data_refetches"])
 
     model = RecordIds()
-    run = trainer(strategy=FTStrategy(data_mode="exactly_once"), callbacks=[ReadMetrics()], max_steps=15)
-    run.fit(model, DataLoader(Ids(42), batch_size=4, shuffle=True, num_workers=2))
+    strategy = FTStrategy(data_mode="exactly_once", num_replica_groups=1, replica_group_id=0)
+    run = trainer(strategy=strategy, callbacks=[ReadMetrics()], max_steps=15)
+    # Workers load 2 × prefetch_factor batches ahead. Spawned, not forked: this process runs torchft's threads.
+    loader = DataLoader(Ids(42), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn")
+    run.fit(model, loader)
     assert reported == [0.0] * 15
