@@ -215,3 +215,46 @@ def test_the_default_sharded_mode_skips_samples_under_the_same_membership_change
     assert max(record["epoch"] for record in contributions) >= 1, "the run should finish its first epoch"
     skipped = SAMPLES - len(set(first_epoch))
     assert skipped > 0, "the sharded mode trained every sample of the first epoch despite the membership changes"
+
+
+@pytest.mark.timeout(300)
+def test_exactly_once_data_with_a_hot_spare_taking_a_dead_groups_place(launch):
+    """3 groups, ``min_replica_size=2``, ``world_size_mode="fixed_with_spares"``: the spare's batches are not part of
+    any step; when an active group dies the spare reads in its place, and every committed step reads exactly two
+    group batches."""
+    job = launch(
+        groups=3,
+        worker_args=[
+            f"--max-steps={MAX_STEPS}",
+            f"--index-data={SAMPLES}",
+            f"--batch-size={BATCH}",
+            "--data-mode=exactly_once",
+            "--min-replica-size=2",
+            "--world-size-mode=fixed_with_spares",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=3, nproc=1)
+    job.wait_for("every group to commit 3 steps", lambda: all(len(job.committed_steps(g)) >= 3 for g in range(3)))
+    latest_roles = {g: [e["replica_rank"] for e in job.events("quorum", group=g)][-1] for g in range(3)}
+    (spare,) = [g for g, rank in latest_roles.items() if rank is None]
+    victim = max(g for g in range(3) if g != spare)
+    others = [g for g in range(3) if g != victim]
+    attempt = job.attempt(victim, 0)
+    killed_at = time.time()
+    os.kill(job.worker_pid(victim, 0, attempt), signal.SIGKILL)
+    job.wait_for("the others to commit 3 steps after the kill", lambda: commits_since(job, others[0], killed_at) >= 3)
+    pause(job.root, *others)
+    restarted = job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, 0, attempt + 1))
+    job.wait_for(f"group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    resume(job.root, *others)
+    assert job.wait_exit() == 0, job.tail()
+
+    states = job.final_states()
+    assert sorted(states) == [(0, 0), (1, 0), (2, 0)], sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == MAX_STEPS and state["manager_step"] == MAX_STEPS, (key, state["global_step"])
+    assert_bit_identical(states)
+    contributions = committed_contributions(job)
+    assert len(contributions) == 2 * MAX_STEPS  # two contributing groups in every committed step
+    assert_exactly_once(contributions)
