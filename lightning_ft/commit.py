@@ -108,8 +108,35 @@ class StepProtocol:
                 ) from self.manager.errored().original_exception
             return self._decision
         self.require_quorum()
+        self._abort_failed_process_group()
         self._record(self.manager.should_commit())
         return self._decision
+
+    def _abort_failed_process_group(self) -> None:
+        """After a failed cross-group collective, abort the process group before the vote, closing its connections.
+
+        Why: when a group dies mid-allreduce, the survivor that fails first goes on to the next quorum, but another
+        survivor may still be waiting in the same collective on its pair with *that* survivor, which gave up without
+        closing it. The lighthouse would then wait its join timeout (10 s with ``lightning-ft launch``) for the
+        waiting survivor, which only fails once the first one reconfigures. Aborting here makes it fail at once.
+
+        Safe because the process group is rebuilt before it is used again: a step that does not commit makes the
+        lighthouse hand out a new quorum id, and a new quorum id reconfigures the process group (until then torchft's
+        ``allreduce`` is a no-op, the step having errored). A step rejected for a non-finite gradient leaves the
+        process group alone: every collective of it succeeded.
+        """
+        error = self.manager.errored()
+        if error is None or isinstance(error.original_exception, NonFiniteGradientError):
+            return
+        abort = getattr(getattr(self.manager, "_pg", None), "abort", None)  # torchft's reconfigurable ProcessGroup
+        if abort is None:
+            return
+        try:
+            abort()
+        except Exception as abort_error:  # the vote must still happen; the next quorum rebuilds the group anyway
+            log.warning("lightning-ft: aborting the failed cross-group process group failed: %r", abort_error)
+        else:
+            events.emit("process_group_aborted", step=self.manager.current_step())
 
     def reject(self, reason: Exception) -> None:
         """Make this group vote against committing the open step, for a reason every replica shares (an averaged

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_ft.comm import FTCommState, ft_allreduce_hook
-from lightning_ft.commit import QuorumNotStartedError, StepProtocol
+from lightning_ft.commit import NonFiniteGradientError, QuorumNotStartedError, StepProtocol
 
 
 class FailedWork:
@@ -156,3 +156,48 @@ def test_buckets_are_not_summed_when_the_non_finite_guard_is_off():
     manager.work._work.future.set_result([torch.full((4,), 6.0)])
     future.wait()
     assert state.take_bucket_sums() == []
+
+
+class VotingManager:
+    """A Manager that records what happens around the commit vote; ``error`` is what ``errored()`` reports."""
+
+    def __init__(self, error: Exception | None) -> None:
+        from torchft.manager import ExceptionWithTraceback
+
+        self._error = ExceptionWithTraceback(error) if error is not None else None
+        self.calls: list[str] = []
+        self._pg = self
+
+    def start_quorum(self) -> None:
+        self.calls.append("quorum")
+
+    def errored(self):
+        return self._error
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+    def should_commit(self) -> bool:
+        self.calls.append("vote")
+        return self._error is None
+
+    def current_step(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("error", "calls"),
+    [
+        pytest.param(None, ["quorum", "vote"], id="no-error"),
+        pytest.param(RuntimeError("Connection reset by peer"), ["quorum", "abort", "vote"], id="failed-collective"),
+        pytest.param(NonFiniteGradientError(0), ["quorum", "vote"], id="non-finite-gradient"),
+    ],
+)
+def test_a_failed_collective_aborts_the_process_group_before_the_vote(error, calls):
+    """So that a peer still waiting on this replica in the same collective fails now, not when this replica
+    reconfigures after the lighthouse's join timeout (see StepProtocol._abort_failed_process_group)."""
+    manager = VotingManager(error)
+    protocol = StepProtocol(manager=manager)  # type: ignore[arg-type]
+    protocol.open_quorum()
+    assert protocol.commit() is (error is None)
+    assert manager.calls == calls
