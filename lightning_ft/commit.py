@@ -78,6 +78,8 @@ class StepProtocol:
         """
         if self._quorum_open:
             return
+        if not self.quorums_opened:  # this process's first quorum: where a restarted or late group asks to join
+            events.emit("joining", step=self.manager.current_step())
         if self.telemetry is not None:
             self.telemetry.step_started()
         self.manager.start_quorum()

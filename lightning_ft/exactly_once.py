@@ -201,7 +201,6 @@ class ExactlyOnceData:
         self._next_cursor: int | None = None  # None: read `committed()` when the first prediction is made
         self._predicted: collections.deque[list[int]] = collections.deque()
         self.last_placement: StepPlacement | None = None
-        self.last_indices: list[int] | None = None
         self.refetches = 0
         self.steps = 0
 
@@ -232,7 +231,6 @@ class ExactlyOnceData:
         self.last_placement = placement
         self.steps += 1
         wanted = self.schedule.step_indices(placement)
-        self.last_indices = wanted
         if wanted is None or wanted == predicted:
             return batch, False
         self.refetches += 1

@@ -359,7 +359,7 @@ class FTStrategy(DDPStrategy):
 
     @property
     def exactly_once_data(self) -> ExactlyOnceData | None:
-        """With ``data_mode="exactly_once"`` while fitting: the schedule, the last step's placement and samples, and
+        """With ``data_mode="exactly_once"`` while fitting: the schedule, the last step's placement, and
         the refetch count. ``None`` otherwise."""
         return self._exactly_once
 
@@ -628,10 +628,7 @@ class FTStrategy(DDPStrategy):
         data = self._exactly_once
         trainer = self.lightning_module.trainer
         if data is not None and trainer.training:
-            protocol = self.step_protocol
-            if not protocol.quorums_opened:
-                events.emit("joining", step=self.manager.current_step())
-            protocol.open_quorum()
+            self.step_protocol.open_quorum()
             manager = self.manager
             placement = StepPlacement(
                 cursor=manager.batches_committed(),

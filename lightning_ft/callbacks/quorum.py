@@ -26,18 +26,11 @@ class QuorumCallback(Callback):
         :func:`~lightning_ft.state.broadcast_state_in_group`).
     """
 
-    def __init__(self) -> None:
-        self._joined = False
-
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         protocol = ft_step_protocol(trainer)
-        if not self._joined:
-            if not protocol.quorums_opened:  # (exactly-once data opens it before the batch starts, and says so)
-                events.emit("joining", step=protocol.manager.current_step())
-            self._joined = True
         protocol.open_quorum()
         committed = protocol.manager.current_step()
         align_step_counters(trainer, committed)

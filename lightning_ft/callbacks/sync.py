@@ -203,7 +203,6 @@ class SyncCallback(Callback):
         # self.log(sync_dist=True) values would be job-wide and others group-local.
         ft_collectives(trainer).close_section()
         if not self._joined:
-            events.emit("joining", step=ft_manager(trainer).current_step())
             self._joined = True
             self._join(trainer)
             return
