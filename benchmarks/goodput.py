@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -44,10 +45,14 @@ WORLD = 3
 BATCH = 64
 
 
+# Extra ``lightning-ft launch`` options for the ft side (``--launch-arg``); empty for the published figures.
+LAUNCH_ARGS: list[str] = []
+
+
 def command(config: str, root: Path) -> list[str]:
     worker = ["goodput_worker.py", f"--root={root}", f"--world={WORLD}"]
     if config == "ft":
-        launch = [*LIGHTNING_FT, "launch", f"--replica-groups={WORLD}", "--max-restarts=20"]
+        launch = [*LIGHTNING_FT, "launch", f"--replica-groups={WORLD}", "--max-restarts=20", *LAUNCH_ARGS]
         return [*launch, f"--events-dir={root / 'events'}", "--", "python", *worker, "--mode=ft"]
     every = int(config.split("-")[1])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
@@ -99,11 +104,12 @@ def run_once(config: str, fail: bool, horizon: float, kill_every: float, seed: i
             time.sleep(0.05)
     finally:
         job.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             job.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        # workers that outlived their launcher (Lightning catches SIGTERM) must not load the next run
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+        job.wait()
         log.close()
     result = analyse(config, root, t0, t0 + horizon, kills)
     label = "with failures" if fail else "no failures"
@@ -252,11 +258,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--horizon", type=float, default=105.0, help="seconds from launch (default: %(default)s)")
     parser.add_argument("--kill-every", type=float, default=30.0)
-    parser.add_argument("--every", type=int, nargs="+", default=[50], help="checkpoint intervals of the baseline")
+    parser.add_argument(
+        "--every", type=int, nargs="*", default=[50], help="checkpoint intervals of the baseline (none: ft only)"
+    )
+    parser.add_argument(
+        "--launch-arg", action="append", default=[], help="an extra `lightning-ft launch` option for the ft side"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's logs under this directory")
     args = parser.parse_args()
+    LAUNCH_ARGS.extend(args.launch_arg)
     configs = [f"restart-{every}" for every in args.every] + ["ft"]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="lightning-ft-goodput-") as temporary:
@@ -269,7 +281,13 @@ def main() -> None:
                     runs.append(run_once(config, fail, args.horizon, args.kill_every, seed, root))
     summary = summarise(runs, configs)
     print(json.dumps(summary, indent=1))
-    settings = {"horizon_s": args.horizon, "kill_every_s": args.kill_every, "workers": WORLD, "batch": BATCH}
+    settings = {
+        "horizon_s": args.horizon,
+        "kill_every_s": args.kill_every,
+        "workers": WORLD,
+        "batch": BATCH,
+        "launch_args": args.launch_arg,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"machine": machine(), "settings": settings, "summary": summary, "runs": runs}, indent=1)

@@ -43,7 +43,9 @@ def loopback_bytes(net_dev: str = "/proc/self/net/dev") -> tuple[int, int]:
 
 
 class AllreduceCounter:
-    """Wraps a Manager's ``allreduce`` (an instance attribute shadowing the method) and counts its payloads."""
+    """Wraps the allreduce of a Manager's cross-group process group (an instance attribute shadowing the method)
+    and counts its payloads: every cross-group allreduce passes there, ``Manager.allreduce``'s and the DDP comm
+    hook's (``lightning_ft.comm.cross_group_average``)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -51,15 +53,16 @@ class AllreduceCounter:
         self._target: Any = None
 
     def install(self, manager: Any) -> None:
-        original: Callable[..., Any] = manager.allreduce
+        process_group = manager._pg
+        original: Callable[..., Any] = process_group.allreduce
 
-        def counting_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counting_allreduce(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
+            self.bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+            return original(tensors, *args, **kwargs)
 
-        manager.allreduce = counting_allreduce
-        self._target = manager
+        process_group.allreduce = counting_allreduce
+        self._target = process_group
 
     def uninstall(self) -> None:
         if self._target is not None:
@@ -84,7 +87,7 @@ class Measure(pl.Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The Manager exists from FTStrategy.setup_environment on, which Lightning runs before the setup hooks, so
-        # every allreduce of the fit (the DDP comm hook looks up manager.allreduce at each call) is counted.
+        # every allreduce of the fit (each looks up the process group's allreduce at each call) is counted.
         self.counter.install(trainer.strategy.manager)
 
     @override

@@ -9,12 +9,10 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
 * torchft's cross-group process group only links equal group ranks, so a group of several processes must reduce
   inside the group first, on the group's own process group, and only then across groups.
 * torchft's hook waits for each bucket's allreduce before it returns, so no communication overlaps the rest of the
-  backward pass. This hook returns the process group's own future instead, with the average and the Manager's
-  error capture and timeout (``Manager.wrap_future``) chained to it, as DDP's built-in hooks do: at 50 M parameters
-  that is most of the difference between a step with fault tolerance and one without (``docs/benchmarks.md``).
-  torchft's own chain cannot be used for this (it only works when built after the allreduce has finished), so the
-  hook takes the process group's work from ``_ManagedWork._work``, an attribute of torchft 0.2.0 (pinned); where it
-  is missing, the hook waits, as torchft's does.
+  backward pass. This hook returns the process group's own future instead, with the average and the error capture
+  chained to it, as DDP's built-in hooks do: at 50 M parameters that is most of the difference between a step with
+  fault tolerance and one without (``docs/benchmarks.md``). It also skips ``Manager.allreduce``'s per-call
+  machinery (:func:`cross_group_average`), which on a 1 M-parameter model cost more than the collective itself.
 * The non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) needs one pass over
   it. Each bucket is summed in the allreduce's completion callback, off the training thread and while the data is
   still in cache, so the commit gate only compares a few numbers (:attr:`FTCommState.bucket_sums`).
@@ -28,12 +26,16 @@ first, as the DDP hook does.
 
 # No `from __future__ import annotations` here: torch's DDP inspects the hook's annotations at registration and
 # requires the real GradBucket / Future[Tensor] objects, not strings.
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import Manager
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +46,9 @@ class FTCommState:
     group: dist.ProcessGroup | None
     group_world_size: int
     before_allreduce: Callable[[], None] = lambda: None
+    # Whether a hung cross-group collective needs the Manager's timer to fail it (``Manager.wrap_future``); not with
+    # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
+    needs_manager_timeout: bool = True
     # Whether to sum each averaged bucket for the non-finite guard (FTStrategy(skip_non_finite_steps=...)).
     sum_buckets: bool = True
     # The sum of each averaged bucket of the current step, appended by the completion callbacks: an inf or NaN in
@@ -57,7 +62,7 @@ class FTCommState:
 
 
 def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` over the group (sum / group size), then over participating groups (Manager AVG).
+    """Average ``bucket`` over the group (sum / group size), then over participating groups.
 
     Returns without waiting for the cross-group allreduce, so that it overlaps the rest of the backward pass; DDP
     waits for the future before it writes the gradients. An intra-group failure raises: the group is the unit of
@@ -69,25 +74,59 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     if state.group_world_size > 1:
         dist.all_reduce(buffer, group=state.group)
         buffer.div_(state.group_world_size)
+    return cross_group_average(state, buffer)
+
+
+def cross_group_average(state: FTCommState, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The average of ``buffer`` over the participating groups, as a future that never fails.
+
+    What ``Manager.allreduce`` does, without the per-call objects on the training thread that make it cost more
+    than the collective on a small model (torchft's lazy ``_ManagedWork`` chain, profiler ranges, and a timer per
+    call): after the step has errored nothing is sent; the quorum is awaited; a group that only heals this step
+    sends zeros; the process group sums, and the completion callback divides by the participants. Errors go to
+    the Manager (``report_error``), which then votes against the step. A hung collective fails through the
+    process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
+    Manager's timer on top (``state.needs_manager_timeout``).
+    """
     manager = state.manager
-    work = manager.allreduce(buffer)  # waits for the quorum; returns at once (a no-op) once the step has errored
-    # torchft's _ManagedWork averages lazily, in a callback chain that only works when built after the allreduce
-    # finished (wait()); so chain the average to the process group's own future instead, through the Manager's
-    # public wrap_future (error capture, timeout). Anything else (torchft's _DummyWork) is waited for, as torchft does.
-    process_group_work = getattr(work, "_work", None)
-    if process_group_work is None:
-        work.wait()
+    if manager.errored() is not None:  # the step is lost already; its gradients are never applied
         return _completed(buffer)
+    manager.wait_quorum()
     participants = manager.num_participants()
+    if not manager.is_participating():
+        buffer.zero_()
+    try:
+        work = manager._pg.allreduce([buffer], _SUM)  # torchft's reconfigurable process group (0.2.0, pinned)
+    except Exception as error:
+        _report(manager, error)
+        return _completed(buffer)
 
     def average(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        done.value()  # the allreduce's error, if any, goes to wrap_future, which reports it to the Manager
+        try:
+            done.value()
+        except Exception as error:
+            _report(manager, error)
+            return buffer
         buffer.div_(participants)
         if state.sum_buckets:
             state.bucket_sums.append(buffer.sum(dtype=torch.float32))
         return buffer
 
-    return manager.wrap_future(process_group_work.get_future().then(average), default=buffer)
+    averaged = work.get_future().then(average)
+    if state.needs_manager_timeout:
+        return manager.wrap_future(averaged, default=buffer)
+    return averaged
+
+
+_SUM = AllreduceOptions()
+_SUM.reduceOp = ReduceOp.SUM
+
+
+def _report(manager: Manager, error: Exception) -> None:
+    """A cross-group collective failed: the step will not commit. Logged once per step (the first error wins)."""
+    if manager.errored() is None:
+        log.warning("lightning-ft: a cross-group allreduce failed; this step will not commit: %s", error)
+    manager.report_error(error)
 
 
 def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

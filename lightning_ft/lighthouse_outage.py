@@ -17,7 +17,9 @@ What torchft 0.2.0 does on its own when the lighthouse dies (measured, or read i
   request issued once the lighthouse is back at the same address succeeds.
 
 So the retry lives here, around the one RPC that depends on the lighthouse: the Manager's quorum request to its
-ManagerServer. While a request is pending, the lighthouse's TCP port is probed once a second. A request that fails
+ManagerServer. While a request is pending for longer than a second, a watchdog thread probes the lighthouse's TCP
+port once a second (the request itself runs on torchft's quorum thread, as it would without this module: a thread
+hand-off per step cost more CPU than anything else this module does, see ``docs/benchmarks.md``). A request that fails
 while the lighthouse was unreachable is not an error of the job but an outage: the group logs one warning (which
 lighthouse, that training is stalled, how to fix it), waits until the lighthouse has been reachable for a short
 grace (so that every group's heartbeats are back and the groups rejoin in one quorum), and asks again for the *same*
@@ -34,9 +36,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -111,7 +113,10 @@ class OutageTolerantClient:
         self._rejoin_grace = rejoin_grace
         self._outage_since: float | None = None  # set from the first failed probe until a quorum succeeds
         self._up_since: float | None = None  # the first successful probe since the latest failed one
-        self._requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_ft_quorum_rpc")
+        self._state = threading.Lock()  # the outage record is written by the requesting thread and the watchdog
+        self._pending: tuple[float, int | None] | None = None  # (since, step) of the request in flight
+        self._stopped = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -135,23 +140,40 @@ class OutageTolerantClient:
             self._wait_for_lighthouse(outcome)
 
     def _attempt(self, request: dict[str, Any]) -> Any:
-        """One quorum request, probing the lighthouse while it is pending. Returns its result or its error."""
-        pending: Future[Any] = self._requests.submit(self._client._quorum, **request)
-        # futures.wait, not result(timeout=...): torchft's RPC raises the builtin TimeoutError, which since Python
-        # 3.11 is also what result() raises while the future is still pending.
-        while not wait([pending], timeout=self._probe_interval).done:
+        """One quorum request, on the calling thread; the watchdog probes the lighthouse while it is pending.
+        Returns its result or its error."""
+        self._start_watchdog()
+        self._pending = (self._clock(), request.get("step"))
+        try:
+            return self._client._quorum(**request)
+        except Exception as error:
+            return error
+        finally:
+            self._pending = None
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="lightning_ft_lighthouse_watch", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Once per probe interval: if a request has been pending that long, probe; an unreachable lighthouse starts
+        the outage (its warning) while the request is still running out its timeout."""
+        while not self._stopped.wait(self._probe_interval):
+            pending = self._pending
+            if pending is None or self._clock() - pending[0] < self._probe_interval:
+                continue
             if not self._probe():
-                self._begin_outage(request.get("step"))
-        error = pending.exception()
-        return pending.result() if error is None else error
+                self._begin_outage(pending[1])
 
     def _probe(self) -> bool:
-        if not self._reachable(self._lighthouse):
-            self._up_since = None
-            return False
-        if self._up_since is None:
-            self._up_since = self._clock()
-        return True
+        reachable = self._reachable(self._lighthouse)
+        with self._state:
+            if not reachable:
+                self._up_since = None
+            elif self._up_since is None:
+                self._up_since = self._clock()
+        return reachable
 
     def _wait_for_lighthouse(self, cause: BaseException) -> None:
         """Block until the lighthouse has been reachable for the rejoin grace, or fail once the outage outlasts the
@@ -172,9 +194,10 @@ class OutageTolerantClient:
 
     def _begin_outage(self, step: int | None) -> None:
         """Record the outage and warn, once per outage."""
-        if self._outage_since is not None:
-            return
-        self._outage_since = self._clock()
+        with self._state:
+            if self._outage_since is not None:
+                return
+            self._outage_since = self._clock()
         limit = (
             "no limit" if self._outage_timeout is None else f"up to lighthouse_outage_timeout={self._outage_timeout:g}s"
         )
@@ -189,10 +212,11 @@ class OutageTolerantClient:
         events.emit("lighthouse_unreachable", lighthouse=self._lighthouse, step=step)
 
     def _end_outage(self, step: int | None) -> None:
-        if self._outage_since is None:
-            return
-        stalled = self._clock() - self._outage_since
-        self._outage_since = None
+        with self._state:
+            if self._outage_since is None:
+                return
+            stalled = self._clock() - self._outage_since
+            self._outage_since = None
         log.info(
             "lightning-ft: the lighthouse at %s is back; training resumes at committed step %s after a %.1fs stall.",
             self._lighthouse,
@@ -202,4 +226,4 @@ class OutageTolerantClient:
         events.emit("lighthouse_back", lighthouse=self._lighthouse, step=step, stalled_s=round(stalled, 3))
 
     def shutdown(self) -> None:
-        self._requests.shutdown(wait=False)
+        self._stopped.set()

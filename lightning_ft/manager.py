@@ -54,6 +54,7 @@ from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStat
 from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
 from lightning_ft.lighthouse_outage import OutageTolerantClient
 from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
+from lightning_ft.local_vote import vote_locally
 from lightning_ft.settings import FTSettings
 from lightning_ft.telemetry import TimedTransport
 
@@ -223,12 +224,10 @@ def build_manager(
             if settings.world_size_mode == "fixed_with_spares"
             else WorldSizeMode.DYNAMIC,
         )
+    outage_client = _ride_out_lighthouse_outages(manager, settings)
+    vote_locally(manager, group_world_size)  # a one-process group's vote needs no RPC (lightning_ft.local_vote)
     return ManagerHandle(
-        manager=manager,
-        store=store,
-        lighthouse=lighthouse,
-        transport=transport,
-        outage_client=_ride_out_lighthouse_outages(manager, settings),
+        manager=manager, store=store, lighthouse=lighthouse, transport=transport, outage_client=outage_client
     )
 
 

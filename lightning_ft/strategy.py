@@ -76,7 +76,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torchft import Manager
+from torchft import Manager, ProcessGroupGloo
 from typing_extensions import override
 
 from lightning_ft import events
@@ -684,6 +684,7 @@ class FTStrategy(DDPStrategy):
             group_world_size=self.world_size,
             before_allreduce=self.step_protocol.require_quorum,
             sum_buckets=self.settings.skip_non_finite_steps,
+            needs_manager_timeout=not isinstance(self.manager._pg, ProcessGroupGloo),
         )
         self.model.register_comm_hook(self._comm_state, ft_allreduce_hook)
 

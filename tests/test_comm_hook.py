@@ -11,24 +11,63 @@ from lightning_ft.comm import FTCommState, ft_allreduce_hook
 from lightning_ft.commit import NonFiniteGradientError, QuorumNotStartedError, StepProtocol
 
 
-class FailedWork:
-    """What torchft returns when the peer died mid-allreduce: ``wait()`` reports the error and returns False,
-    and the future chain the stock torchft hook asserts on was never built."""
+class PendingWork:
+    """The process group's work of an allreduce: its future completes when the test says so."""
 
-    def wait(self) -> bool:
-        return False
+    def __init__(self) -> None:
+        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
 
-    def get_future(self) -> None:
-        raise AssertionError("the hook must not reach into the failed work's future")
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self.future
+
+
+class FakeProcessGroup:
+    """torchft's reconfigurable process group as the hook uses it; ``refuse`` makes ``allreduce`` raise at once (a
+    process group whose connections are already gone)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.sent: list[torch.Tensor] = []
+        self.work = PendingWork()
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> PendingWork:
+        if self.refuse:
+            raise RuntimeError("Connection closed by peer")
+        self.sent.append(tensors[0].clone())
+        return self.work
 
 
 @dataclass
 class FakeManager:
-    errors: list[str] = field(default_factory=list)
+    """torchft's Manager as far as the hook sees it."""
 
-    def allreduce(self, tensor: torch.Tensor) -> FailedWork:
-        self.errors.append("allreduce failed")
-        return FailedWork()
+    participants: int = 2
+    participating: bool = True
+    error: BaseException | None = None
+    _pg: FakeProcessGroup = field(default_factory=FakeProcessGroup)
+    quorum_waits: int = 0
+    wrapped: int = 0
+
+    def errored(self):
+        from torchft.manager import ExceptionWithTraceback
+
+        return ExceptionWithTraceback(self.error) if self.error is not None else None
+
+    def wait_quorum(self) -> None:
+        self.quorum_waits += 1
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def report_error(self, error: BaseException) -> None:
+        self.error = error
+
+    def wrap_future(self, future: torch.futures.Future, default: torch.Tensor) -> torch.futures.Future:
+        self.wrapped += 1
+        return future
 
 
 class Bucket:
@@ -39,13 +78,17 @@ class Bucket:
         return self._buffer
 
 
-def test_hook_returns_a_completed_future_when_the_cross_group_allreduce_fails():
-    manager = FakeManager()
+def hook_state(manager: FakeManager, **settings) -> FTCommState:
+    return FTCommState(manager=manager, group=None, group_world_size=1, needs_manager_timeout=False, **settings)
+
+
+def test_hook_returns_a_completed_future_when_the_process_group_refuses_the_allreduce():
+    manager = FakeManager(_pg=FakeProcessGroup(refuse=True))
     buffer = torch.ones(4)
-    future = ft_allreduce_hook(FTCommState(manager=manager, group=None, group_world_size=1), Bucket(buffer))
+    future = ft_allreduce_hook(hook_state(manager), Bucket(buffer))
     assert future.done()
     assert future.value() is buffer
-    assert manager.errors == ["allreduce failed"]
+    assert "Connection closed" in str(manager.error)
 
 
 def test_hook_refuses_gradients_without_a_quorum():
@@ -55,70 +98,63 @@ def test_hook_refuses_gradients_without_a_quorum():
         ft_allreduce_hook(state, Bucket(torch.ones(2)))
 
 
-class FailingProcessGroupWork:
-    """The process group's own work of an allreduce whose peer died: its future completes with the error."""
-
-    def __init__(self) -> None:
-        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self.future
-
-
-@dataclass
-class ManagedWork:
-    _work: FailingProcessGroupWork
-
-
-@dataclass
-class SwallowingManager:
-    """torchft's Manager as far as the hook sees it: ``wrap_future`` completes with ``default`` on error and reports
-    it (as ``torchft.Manager.wrap_future`` does)."""
-
-    participants: int = 2
-    errors: list[BaseException] = field(default_factory=list)
-    work: ManagedWork = field(default_factory=lambda: ManagedWork(FailingProcessGroupWork()))
-
-    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
-        return self.work
-
-    def num_participants(self) -> int:
-        return self.participants
-
-    def report_error(self, error: BaseException) -> None:
-        self.errors.append(error)
-
-    def wrap_future(self, future: torch.futures.Future, default: torch.Tensor) -> torch.futures.Future:
-        def swallow(done: torch.futures.Future) -> torch.Tensor:
-            try:
-                return done.value()
-            except Exception as error:
-                self.report_error(error)
-                return default
-
-        return future.then(swallow)
-
-
 def test_hook_returns_before_the_allreduce_completes_and_averages_when_it_does():
-    manager = SwallowingManager(participants=2)
-    state = FTCommState(manager=manager, group=None, group_world_size=1)
+    manager = FakeManager(participants=2)
+    state = hook_state(manager)
     buffer = torch.full((4,), 6.0)
     future = ft_allreduce_hook(state, Bucket(buffer))
     assert not future.done()  # DDP overlaps it with the rest of the backward pass
-    manager.work._work.future.set_result([buffer])
+    assert manager.quorum_waits == 1  # the quorum decides who takes part before anything is sent
+    manager._pg.work.future.set_result([buffer])
     assert torch.equal(future.wait(), torch.full((4,), 3.0))
     assert [float(s) for s in state.take_bucket_sums()] == [12.0]
     assert state.take_bucket_sums() == []
+    assert manager.error is None and manager.wrapped == 0
 
 
 def test_hook_future_completes_without_error_when_the_peer_dies_mid_allreduce():
-    manager = SwallowingManager()
-    state = FTCommState(manager=manager, group=None, group_world_size=1)
+    manager = FakeManager()
+    state = hook_state(manager)
     buffer = torch.ones(4)
     future = ft_allreduce_hook(state, Bucket(buffer))
-    manager.work._work.future.set_exception(RuntimeError("Connection reset by peer"))
+    manager._pg.work.future.set_exception(RuntimeError("Connection reset by peer"))
     assert future.wait() is buffer  # no exception reaches DDP: the survivor carries on
-    assert len(manager.errors) == 1 and "Connection reset by peer" in str(manager.errors[0])
+    assert "Connection reset by peer" in str(manager.error)
+    assert state.take_bucket_sums() == []
+
+
+def test_nothing_is_sent_once_the_step_has_errored():
+    manager = FakeManager(error=RuntimeError("an earlier bucket failed"))
+    buffer = torch.ones(4)
+    future = ft_allreduce_hook(hook_state(manager), Bucket(buffer))
+    assert future.done() and future.value() is buffer
+    assert manager._pg.sent == [] and manager.quorum_waits == 0
+
+
+def test_a_group_that_heals_this_step_sends_zeros():
+    """With an asynchronous quorum a healing group trains on its old weights; its gradient must not count."""
+    manager = FakeManager(participants=2, participating=False)
+    future = ft_allreduce_hook(hook_state(manager), Bucket(torch.full((4,), 5.0)))
+    assert torch.equal(manager._pg.sent[0], torch.zeros(4))
+    manager._pg.work.future.set_result([torch.full((4,), 8.0)])
+    future.wait()
+
+
+@pytest.mark.parametrize("needs_timeout", [True, False])
+def test_the_managers_timer_is_added_only_where_the_process_group_has_no_timeout_of_its_own(needs_timeout):
+    manager = FakeManager()
+    state = FTCommState(manager=manager, group=None, group_world_size=1, needs_manager_timeout=needs_timeout)
+    ft_allreduce_hook(state, Bucket(torch.ones(2)))
+    assert manager.wrapped == int(needs_timeout)
+
+
+def test_buckets_are_not_summed_when_the_non_finite_guard_is_off():
+    manager = FakeManager(participants=2)
+    state = hook_state(manager, sum_buckets=False)
+    future = ft_allreduce_hook(state, Bucket(torch.full((4,), 6.0)))
+    manager._pg.work.future.set_result([torch.full((4,), 6.0)])
+    future.wait()
+    assert state.take_bucket_sums() == []
 
 
 def test_a_healing_group_reads_the_peer_state_once_and_exactly():
@@ -147,15 +183,6 @@ def test_a_healing_group_reads_the_peer_state_once_and_exactly():
     assert received["counters"] == state["counters"]
     received["column"].fill_(0)  # shares its storage with the received matrix, as it did with the sent one
     assert torch.equal(received["matrix"][:, 2], torch.zeros(7))
-
-
-def test_buckets_are_not_summed_when_the_non_finite_guard_is_off():
-    manager = SwallowingManager(participants=2)
-    state = FTCommState(manager=manager, group=None, group_world_size=1, sum_buckets=False)
-    future = ft_allreduce_hook(state, Bucket(torch.full((4,), 6.0)))
-    manager.work._work.future.set_result([torch.full((4,), 6.0)])
-    future.wait()
-    assert state.take_bucket_sums() == []
 
 
 class VotingManager:

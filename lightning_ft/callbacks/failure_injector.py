@@ -153,15 +153,18 @@ class FailureInjector(Callback):
         self._nan_hooks.clear()
 
     def _wrap_allreduce(self, trainer: pl.Trainer) -> None:
-        manager = trainer.strategy.manager  # type: ignore[attr-defined]
-        allreduce = manager.allreduce
+        """Fire inside the cross-group process group's allreduce (torchft's reconfigurable process group, which
+        outlives its reconfigurations): every cross-group allreduce passes there, the DDP comm hook's and
+        ``Manager.allreduce``'s alike."""
+        process_group = trainer.strategy.manager._pg  # type: ignore[attr-defined]
+        allreduce = process_group.allreduce
 
         def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:
             for failure in self._due(trainer, "allreduce"):
                 self._fire(failure, trainer, trainer.lightning_module)
             return allreduce(*args, **kwargs)
 
-        manager.allreduce = allreduce_with_failures
+        process_group.allreduce = allreduce_with_failures
 
     def _fire(self, failure: Failure, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events.emit("failure_injected", kind=failure.kind, at=failure.at, global_step=trainer.global_step)
