@@ -13,7 +13,6 @@ import pytest
 import torch
 from harness import REPO, assert_tree_equal
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_comm_hook import FakeManager
 from test_step_semantics import loader, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -194,6 +193,23 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards():
 
 
 # ---------------------------------------------------------------------------------------------------- the hook
+class FailedWork:
+    """What torchft's ``Manager.allreduce`` returns when the peer died mid-allreduce: ``wait()`` has reported the
+    error to the Manager and returns False."""
+
+    def wait(self) -> bool:
+        return False
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def allreduce(self, tensor: torch.Tensor) -> FailedWork:
+        self.errors.append("allreduce failed")
+        return FailedWork()
+
+
 def test_fsdp_hook_survives_a_failed_cross_group_allreduce():
     manager = FakeManager()
     fsdp_cross_group_hook(manager)(torch.ones(4))  # type: ignore[arg-type]

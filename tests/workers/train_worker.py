@@ -205,8 +205,9 @@ class TestGates(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events.emit("rank_zero", rank_zero=rank_zero_only.rank == 0)
-        manager = trainer.strategy.manager
-        allreduce = manager.allreduce
+        # Every cross-group allreduce (the DDP comm hook's, Manager.allreduce's) goes through torchft's process group.
+        process_group = trainer.strategy.manager._pg
+        allreduce = process_group.allreduce
         pause = self.directory / f"pause.group{self.group}.allreduce"
 
         def pausing_allreduce(*args: Any, **kwargs: Any) -> Any:
@@ -215,7 +216,7 @@ class TestGates(pl.Callback):
                 self._wait(lambda: not pause.exists(), f"{pause} to disappear")
             return allreduce(*args, **kwargs)
 
-        manager.allreduce = pausing_allreduce
+        process_group.allreduce = pausing_allreduce
         go = self.directory / "go"
         self._wait(go.exists, f"{go} to appear")
 
