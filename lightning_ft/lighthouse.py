@@ -24,7 +24,8 @@ LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
 # rule keeps a lone group from leaving a live, heartbeating majority behind, so a short wait costs at most an extra
 # membership change when a group is more than this late right after a failure (it joins at the next step and heals).
 # Measured with 3 groups on 2 cores: kill -> survivors commit again 0.41 s at 300 ms, 1.07 s at 10 s (which the
-# heartbeat timeout capped at 1 s); see docs/benchmarks.md.
+# heartbeat timeout capped at 1 s); see docs/benchmarks.md. With 2 groups the lone survivor is no majority until the
+# dead group's heartbeats expire, so it waits the heartbeat timeout either way.
 LOCAL_JOIN_TIMEOUT_MS = 300
 
 
