@@ -91,8 +91,7 @@ def cross_group_average(state: FTCommState, buffer: torch.Tensor) -> torch.futur
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
         return _completed(buffer)
-    manager.wait_quorum()
-    participants = manager.num_participants()
+    participants = manager.num_participants()  # waits for the quorum (torchft's num_participants does), once
     if not manager.is_participating():
         buffer.zero_()
     try:

@@ -57,6 +57,7 @@ class FakeManager:
         self.quorum_waits += 1
 
     def num_participants(self) -> int:
+        self.wait_quorum()  # as torchft's does
         return self.participants
 
     def is_participating(self) -> bool:
