@@ -10,10 +10,14 @@ Each run is a real job of 2 processes on this machine, 1 compute thread each:
 
 The figure of a run is the median time between consecutive optimizer steps after a warm-up, averaged over its two
 processes; the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
-against ``ddp`` of the same size. The peak RSS is the largest of the run's training processes. Usage::
+against ``ddp`` of the same size. Each repetition also gives a paired ratio (a mode's run against the ``ddp`` run of
+the same repetition, taken minutes apart at most), and their median is reported beside the ratio of medians: the
+machine's speed drifts by 10-30 % over minutes, and pairing cancels the slow part of that drift. The peak RSS is the
+largest of the run's training processes. Usage::
 
     python benchmarks/overhead.py                 # both sizes (about 5 minutes on 2 cores)
     python benchmarks/overhead.py --sizes 1m --repeats 1
+    python benchmarks/overhead.py --sizes 1m --repeats 12 --modes ddp ft --out benchmarks/results/overhead_1m_12reps.json
 """
 
 from __future__ import annotations
@@ -76,21 +80,34 @@ def measure(mode: str, size: str, scratch: Path, rep: int) -> dict[str, Any]:
     return run
 
 
-def summarise(runs: list[dict[str, Any]], sizes: list[str]) -> list[dict[str, Any]]:
+def paired_ratios(runs: list[dict[str, Any]], size: str, mode: str) -> list[float]:
+    """``mode`` ÷ ``ddp`` within each repetition of ``size`` that has both."""
+    by_rep: dict[int, dict[str, float]] = {}
+    for run in runs:
+        if run["size"] == size:
+            by_rep.setdefault(run["rep"], {})[run["mode"]] = run["step_s"]
+    return [steps[mode] / steps["ddp"] for _, steps in sorted(by_rep.items()) if mode in steps and "ddp" in steps]
+
+
+def summarise(runs: list[dict[str, Any]], sizes: list[str], modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     rows = []
     for size in sizes:
         base = median([r["step_s"] for r in runs if r["size"] == size and r["mode"] == "ddp"])
         base_rss = median([r["rss"] for r in runs if r["size"] == size and r["mode"] == "ddp"])
-        for mode in MODES:
+        for mode in modes:
             mine = [r for r in runs if r["size"] == size and r["mode"] == mode]
             step = median([r["step_s"] for r in mine])
             rss = median([r["rss"] for r in mine])
+            paired = paired_ratios(runs, size, mode)
             rows.append(
                 {
                     "size": size,
                     "mode": mode,
                     "step_ms": step * 1000,
                     "ratio_vs_ddp": step / base,
+                    # each repetition's run against the ddp run of the same repetition
+                    "paired_ratios": [round(r, 4) for r in paired],
+                    "paired_ratio_median": median(paired),
                     "per_rep_ms": [round(r["step_s"] * 1000, 2) for r in mine],
                     "peak_rss_mib": rss / 2**20,
                     "rss_ratio_vs_ddp": rss / base_rss,
@@ -107,19 +124,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1m", "50m"], choices=sorted(STEPS))
     parser.add_argument("--repeats", type=int, default=None, help="per size (default: 3 at 1M, 2 at 50M)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="ddp is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     args = parser.parse_args()
+    modes = tuple(m for m in MODES if m == "ddp" or m in args.modes)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="lightning-ft-overhead-") as scratch:
         for size in args.sizes:
             for rep in range(args.repeats or REPEATS[size]):
-                order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
+                order = modes if rep % 2 == 0 else tuple(reversed(modes))
                 for mode in order:
                     runs.append(measure(mode, size, Path(scratch), rep))
-    rows = summarise(runs, args.sizes)
+    rows = summarise(runs, args.sizes, modes)
     for row in rows:
         print(
             f"{row['size']:>4} {row['mode']:8s} {row['step_ms']:8.2f} ms  {row['ratio_vs_ddp']:.3f}x ddp  "
+            f"(paired: median {row['paired_ratio_median']:.3f}x of {len(row['paired_ratios'])})  "
             f"RSS {row['peak_rss_mib']:.0f} MiB ({row['rss_ratio_vs_ddp']:.2f}x)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

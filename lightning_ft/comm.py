@@ -13,9 +13,11 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
   chained to it, as DDP's built-in hooks do: at 50 M parameters that is most of the difference between a step with
   fault tolerance and one without (``docs/benchmarks.md``). It also skips ``Manager.allreduce``'s per-call
   machinery (:func:`cross_group_average`), which on a 1 M-parameter model cost more than the collective itself.
-* The non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) needs one pass over
-  it. Each bucket is summed in the allreduce's completion callback, off the training thread and while the data is
-  still in cache, so the commit gate only compares a few numbers (:attr:`FTCommState.bucket_sums`).
+* Averaging and the non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) are one
+  pass over each bucket, in the allreduce's completion callback, off the training thread: GradScaler's fused kernel
+  (``torch._amp_foreach_non_finite_check_and_unscale_``) multiplies by 1 / (group size × participants) and flags any
+  inf or NaN, so the commit gate only reads a flag (:meth:`FTCommState.take_gradient_check`). Multiplying by the
+  reciprocal is what DDP's own reducer does; a separate division and sum cost twice as much.
 
 With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and :func:`fsdp_cross_group_hook` is FSDP2's
 all-reduce hook: it averages each rank's reduced shard with the same shard of the other groups. That is the HSDP
@@ -49,20 +51,42 @@ class FTCommState:
     # Whether a hung cross-group collective needs the Manager's timer to fail it (``Manager.wrap_future``); not with
     # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
     needs_manager_timeout: bool = True
-    # Whether to sum each averaged bucket for the non-finite guard (FTStrategy(skip_non_finite_steps=...)).
-    sum_buckets: bool = True
-    # The sum of each averaged bucket of the current step, appended by the completion callbacks: an inf or NaN in
-    # a bucket makes its sum non-finite. The optimizer step takes them (see ``take_bucket_sums``).
-    bucket_sums: list[torch.Tensor] = field(default_factory=list)
+    # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
+    # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
+    # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
+    checked_buckets: int = 0
+    _non_finite_flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
-    def take_bucket_sums(self) -> list[torch.Tensor]:
-        """The current step's bucket sums, once; DDP has waited for every bucket's future when the step reads them."""
-        sums, self.bucket_sums = self.bucket_sums, []
-        return sums
+    def average_in_place(self, buffer: torch.Tensor, divisor: int) -> None:
+        """``buffer *= 1 / divisor``, flagging any inf or NaN of the result, in one pass.
+
+        Every group averages with the same arithmetic whatever its ``skip_non_finite_steps``, so the replicas stay
+        bit-identical; the flag is simply not read when the guard is off.
+        """
+        flag = self._non_finite_flags.get(buffer.device)
+        if flag is None:
+            flag = self._non_finite_flags[buffer.device] = torch.zeros(1, dtype=torch.float32, device=buffer.device)
+        reciprocal = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=buffer.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([buffer], flag, reciprocal)
+        self.checked_buckets += 1
+
+    def take_gradient_check(self) -> bool | None:
+        """Whether every bucket averaged in the current step was finite; ``None`` when none was (the step errored
+        before any bucket was averaged, or the hook did not run). Once per step: the count and flags start over."""
+        checked, self.checked_buckets = self.checked_buckets, 0
+        if not checked:
+            return None
+        finite = True
+        for flag in self._non_finite_flags.values():
+            if bool(flag.item()):
+                finite = False
+            flag.zero_()
+        return finite
 
 
 def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` over the group (sum / group size), then over participating groups.
+    """Average ``bucket`` over the group, then over participating groups: sum inside the group, sum across groups,
+    and one multiplication by 1 / (group size × participants) when the cross-group sum arrives.
 
     Returns without waiting for the cross-group allreduce, so that it overlaps the rest of the backward pass; DDP
     waits for the future before it writes the gradients. An intra-group failure raises: the group is the unit of
@@ -73,17 +97,20 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     buffer = bucket.buffer()
     if state.group_world_size > 1:
         dist.all_reduce(buffer, group=state.group)
-        buffer.div_(state.group_world_size)
-    return cross_group_average(state, buffer)
+    return cross_group_average(state, buffer, group_world_size=state.group_world_size)
 
 
-def cross_group_average(state: FTCommState, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The average of ``buffer`` over the participating groups, as a future that never fails.
+def cross_group_average(
+    state: FTCommState, buffer: torch.Tensor, group_world_size: int = 1
+) -> torch.futures.Future[torch.Tensor]:
+    """The average of ``buffer`` over the participating groups, as a future that never fails. ``buffer`` holds the
+    sum over ``group_world_size`` ranks of this group; the result is divided by those too.
 
     What ``Manager.allreduce`` does, without the per-call objects on the training thread that make it cost more
     than the collective on a small model (torchft's lazy ``_ManagedWork`` chain, profiler ranges, and a timer per
     call): after the step has errored nothing is sent; the quorum is awaited; a group that only heals this step
-    sends zeros; the process group sums, and the completion callback divides by the participants. Errors go to
+    sends zeros; the process group sums, and the completion callback averages (:meth:`FTCommState.average_in_place`,
+    which also checks the result for inf and NaN). Errors go to
     the Manager (``report_error``), which then votes against the step. A hung collective fails through the
     process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
     Manager's timer on top (``state.needs_manager_timeout``).
@@ -91,7 +118,7 @@ def cross_group_average(state: FTCommState, buffer: torch.Tensor) -> torch.futur
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
         return _completed(buffer)
-    participants = manager.num_participants()  # waits for the quorum (torchft's num_participants does), once
+    divisor = group_world_size * manager.num_participants()  # waits for the quorum, as torchft's does
     if not manager.is_participating():
         buffer.zero_()
     try:
@@ -106,9 +133,7 @@ def cross_group_average(state: FTCommState, buffer: torch.Tensor) -> torch.futur
         except Exception as error:
             _report(manager, error)
             return buffer
-        buffer.div_(participants)
-        if state.sum_buckets:
-            state.bucket_sums.append(buffer.sum(dtype=torch.float32))
+        state.average_in_place(buffer, divisor)
         return buffer
 
     averaged = work.get_future().then(average)

@@ -224,20 +224,20 @@ class CommitGatedOptimizer:
         optimizer: Optimizer,
         protocol: StepProtocol,
         skip_non_finite: bool = True,
-        gradient_sums: Callable[[], list[torch.Tensor]] | None = None,
+        gradient_check: Callable[[], bool | None] | None = None,
     ) -> None:
         self._optimizer = optimizer
         self._protocol = protocol
         self._skip_non_finite = skip_non_finite
-        # Sums of the averaged gradient computed as it arrived (lightning_ft.comm): when they are all finite, so is
-        # every gradient, and the optimizer's gradients need not be read again.
-        self._gradient_sums = gradient_sums
+        # Whether the averaged gradient was finite, as the comm hook found while averaging it (lightning_ft.comm);
+        # None when it could not tell, and the optimizer's gradients are then read again.
+        self._gradient_check = gradient_check
 
     def _gradients_are_finite(self) -> bool:
-        sums = self._gradient_sums() if self._gradient_sums is not None else []
-        if sums and bool(torch.isfinite(torch.stack(sums)).all()):
-            return True
-        return gradients_are_finite(self._optimizer)  # no sums, or one overflowed: look at the gradients themselves
+        checked = self._gradient_check() if self._gradient_check is not None else None
+        if checked is not None:
+            return checked
+        return gradients_are_finite(self._optimizer)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None

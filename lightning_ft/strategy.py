@@ -683,7 +683,6 @@ class FTStrategy(DDPStrategy):
             group=None,
             group_world_size=self.world_size,
             before_allreduce=self.step_protocol.require_quorum,
-            sum_buckets=self.settings.skip_non_finite_steps,
             needs_manager_timeout=not isinstance(self.manager._pg, ProcessGroupGloo),
         )
         self.model.register_comm_hook(self._comm_state, ft_allreduce_hook)
@@ -765,7 +764,7 @@ class FTStrategy(DDPStrategy):
             optimizer,
             protocol,
             skip_non_finite=self.settings.skip_non_finite_steps,
-            gradient_sums=comm_state.take_bucket_sums if comm_state is not None else None,
+            gradient_check=comm_state.take_gradient_check if comm_state is not None else None,
         )
         try:
             output = self.precision_plugin.optimizer_step(
@@ -775,8 +774,8 @@ class FTStrategy(DDPStrategy):
                 **kwargs,
             )
         finally:
-            if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves sums
-                comm_state.take_bucket_sums()
+            if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves a check
+                comm_state.take_gradient_check()
         if not protocol.decided:
             protocol.commit()
         return output

@@ -83,12 +83,13 @@ def test_launch_reports_a_group_that_runs_out_of_restarts():
 def test_launch_sets_the_group_environment_and_exits_zero_when_all_groups_finish():
     script = (
         "import os; print('env', os.environ['REPLICA_GROUP_ID'], os.environ['NUM_REPLICA_GROUPS'], "
-        "os.environ['TORCHFT_LIGHTHOUSE'].startswith('http://127.0.0.1:'), os.environ['OMP_NUM_THREADS'])"
+        "os.environ['TORCHFT_LIGHTHOUSE'].startswith('http://127.0.0.1:'), os.environ['OMP_NUM_THREADS'], "
+        "os.environ['TOKIO_WORKER_THREADS'])"
     )
     result = run(lightning_ft("launch", "--replica-groups=2", "--", "python", "-c", script))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[group 0] env 0 2 True 1" in result.stdout
-    assert "[group 1] env 1 2 True 1" in result.stdout
+    assert "[group 0] env 0 2 True 1 1" in result.stdout
+    assert "[group 1] env 1 2 True 1 1" in result.stdout
     assert re.search(r"^lightning-ft launch: lighthouse status page: http://127\.0\.0\.1:\d+/ ", result.stdout, re.M)
 
 

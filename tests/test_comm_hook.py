@@ -108,8 +108,8 @@ def test_hook_returns_before_the_allreduce_completes_and_averages_when_it_does()
     assert manager.quorum_waits == 1  # the quorum decides who takes part before anything is sent
     manager._pg.work.future.set_result([buffer])
     assert torch.equal(future.wait(), torch.full((4,), 3.0))
-    assert [float(s) for s in state.take_bucket_sums()] == [12.0]
-    assert state.take_bucket_sums() == []
+    assert state.take_gradient_check() is True  # the averaged bucket was checked, and was finite
+    assert state.take_gradient_check() is None  # once per step
     assert manager.error is None and manager.wrapped == 0
 
 
@@ -121,7 +121,7 @@ def test_hook_future_completes_without_error_when_the_peer_dies_mid_allreduce():
     manager._pg.work.future.set_exception(RuntimeError("Connection reset by peer"))
     assert future.wait() is buffer  # no exception reaches DDP: the survivor carries on
     assert "Connection reset by peer" in str(manager.error)
-    assert state.take_bucket_sums() == []
+    assert state.take_gradient_check() is None  # nothing was averaged: the gate reads the gradients if it must
 
 
 def test_nothing_is_sent_once_the_step_has_errored():
@@ -149,13 +149,33 @@ def test_the_managers_timer_is_added_only_where_the_process_group_has_no_timeout
     assert manager.wrapped == int(needs_timeout)
 
 
-def test_buckets_are_not_summed_when_the_non_finite_guard_is_off():
+def test_a_non_finite_average_is_flagged_until_the_step_takes_the_check():
     manager = FakeManager(participants=2)
-    state = hook_state(manager, sum_buckets=False)
-    future = ft_allreduce_hook(state, Bucket(torch.full((4,), 6.0)))
-    manager._pg.work.future.set_result([torch.full((4,), 6.0)])
+    state = hook_state(manager)
+    finite, poisoned = torch.full((4,), 6.0), torch.tensor([1.0, float("nan"), 2.0, float("inf")])
+    for buffer in (finite, poisoned):
+        manager._pg = FakeProcessGroup()
+        future = ft_allreduce_hook(state, Bucket(buffer))
+        manager._pg.work.future.set_result([buffer])
+        future.wait()
+    assert torch.equal(finite, torch.full((4,), 3.0))
+    assert state.take_gradient_check() is False  # one of the step's two buckets held a NaN
+    manager._pg = FakeProcessGroup()
+    future = ft_allreduce_hook(state, Bucket(torch.ones(4)))
+    manager._pg.work.future.set_result([torch.ones(4)])
     future.wait()
-    assert state.take_bucket_sums() == []
+    assert state.take_gradient_check() is True  # the next step starts with a clean flag
+
+
+def test_the_average_multiplies_by_the_reciprocal_as_ddp_does():
+    """Every group computes the same bits, whatever its non-finite guard: 1/3 rounded once, then one multiply."""
+    manager = FakeManager(participants=3)
+    state = hook_state(manager)
+    buffer = torch.linspace(-5.0, 7.0, 101)
+    expected = buffer * torch.tensor(1.0 / 3)
+    future = ft_allreduce_hook(state, Bucket(buffer))
+    manager._pg.work.future.set_result([buffer])
+    assert torch.equal(future.wait(), expected)
 
 
 def test_a_healing_group_reads_the_peer_state_once_and_exactly():

@@ -140,6 +140,11 @@ def group_environment(group_id: int, num_groups: int, lighthouse: str, events_di
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
     env.setdefault("OMP_NUM_THREADS", "1")
+    # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
+    # quorum wakes several of them. A group serves a few RPCs per step, which one worker thread handles; on one
+    # machine running every group, the spare threads' wake-ups compete with training (about 3 % of a 15-ms step,
+    # docs/benchmarks.md). torchft reads this variable when it builds those runtimes.
+    env.setdefault("TOKIO_WORKER_THREADS", "1")
     # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for.
     env.setdefault("RUST_LOG", "warn")
     env["PYTHONUNBUFFERED"] = "1"
