@@ -17,7 +17,7 @@ largest of the run's training processes. Usage::
 
     python benchmarks/overhead.py                 # both sizes (about 5 minutes on 2 cores)
     python benchmarks/overhead.py --sizes 1m --repeats 1
-    python benchmarks/overhead.py --sizes 1m --repeats 12 --modes ddp ft \
+    python benchmarks/overhead.py --sizes 1m --repeats 12 --modes ddp ft \\
         --out benchmarks/results/overhead_1m_12reps.json
 """
 
