@@ -61,7 +61,7 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
                 refetches[0] = data.refetches if data is not None else 0
 
     if args.mode == "ddp":
-        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        strategy: Any = DDPStrategy(process_group_backend="gloo", **json.loads(args.ddp_args))
         devices, world = 2, 2
     else:
         strategy = FTStrategy(**json.loads(args.ft_args))
@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ft-args", default="{}", help="--mode ft: FTStrategy keyword arguments, as JSON")
+    parser.add_argument("--ddp-args", default="{}", help="--mode ddp: more DDPStrategy keyword arguments, as JSON")
     args = parser.parse_args()
     run = run_torchft if args.mode == "torchft" else run_lightning
     profile_to = os.environ.get("BENCH_PROFILE")  # a directory: where to find the per-step costs (cProfile)

@@ -81,3 +81,10 @@ def test_an_unknown_interface_or_two_choices_are_refused(monkeypatch):
     monkeypatch.setenv("LIGHTNING_FT_INTERFACE", "lo")
     with pytest.raises(FTConfigError, match="LIGHTNING_FT_HOSTNAME='node-7' and LIGHTNING_FT_INTERFACE='lo'"):
         FTStrategy()
+
+
+def test_gradients_are_views_into_ddps_buckets_unless_turned_off():
+    """On by default: two copies of the gradient fewer per step. The multi-process tests train with it."""
+    assert FTStrategy()._ddp_kwargs["gradient_as_bucket_view"] is True
+    assert FTStrategy(gradient_as_bucket_view=False)._ddp_kwargs["gradient_as_bucket_view"] is False
+    assert "gradient_as_bucket_view" not in FTStrategy(data_parallel="fsdp")._ddp_kwargs  # no DDP wrapper there
