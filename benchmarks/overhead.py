@@ -6,7 +6,9 @@ Each run is a real job of 2 processes on this machine, 1 compute thread each:
 * ``ft``: ``lightning-ft launch --replica-groups 2 --min-replicas 2`` running Lightning with ``FTStrategy()``
   (its defaults: asynchronous quorum, event log on), 2 groups of 1 process;
 * ``torchft``: the same launcher running torchft's README loop without Lightning (``torchft.ddp``,
-  ``OptimizerWrapper``).
+  ``OptimizerWrapper``);
+* ``ddp_view`` (only with ``--modes``): ``ddp`` with ``DDPStrategy(gradient_as_bucket_view=True)``, FTStrategy's
+  default, so that what the setting saves is seen apart from what fault tolerance costs.
 
 The figure of a run is the median time between consecutive optimizer steps after a warm-up, averaged over its two
 processes; the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
@@ -33,7 +35,9 @@ from typing import Any
 
 from run_util import LIGHTNING_FT, RESULTS, machine, median, run_job
 
-MODES = ("ddp", "ft", "torchft")
+MODES = ("ddp", "ft", "torchft")  # what a run measures unless --modes says otherwise
+# ddp_view: DDPStrategy(gradient_as_bucket_view=True), the like-for-like anchor for FTStrategy's default of the same
+ALL_MODES = ("ddp", "ddp_view", "ft", "torchft")
 STEPS = {"1m": 300, "50m": 20}
 WARMUP = {"1m": 50, "50m": 4}  # step intervals skipped: process start, init_sync's heal, allocator warm-up
 REPEATS = {"1m": 3, "50m": 2}  # a 50M run takes about 40 s here; its steps vary less
@@ -48,8 +52,10 @@ def command(mode: str, size: str, root: Path) -> list[str]:
         f"--root={root}",
         f"--out={root / 'steps.json'}",
     ]
-    if mode == "ddp":
+    if mode in ("ddp", "ddp_view"):
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        if mode == "ddp_view":
+            worker = [worker[0], "--mode=ddp", *worker[2:], '--ddp-args={"gradient_as_bucket_view": true}']
         return [*torchrun, *worker]
     launch = [*LIGHTNING_FT, "launch", "--replica-groups=2", "--min-replicas=2", "--max-restarts=0"]
     return [*launch, "--", "python", *worker]
@@ -125,10 +131,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1m", "50m"], choices=sorted(STEPS))
     parser.add_argument("--repeats", type=int, default=None, help="per size (default: 3 at 1M, 2 at 50M)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="ddp is always run")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES, help="ddp is always run")
     parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     args = parser.parse_args()
-    modes = tuple(m for m in MODES if m == "ddp" or m in args.modes)
+    modes = tuple(m for m in ALL_MODES if m == "ddp" or m in args.modes)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="lightning-ft-overhead-") as scratch:
         for size in args.sizes:

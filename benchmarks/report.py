@@ -147,11 +147,14 @@ def plot(path: Path, overhead: Any, goodput: Any, heal: Any) -> None:
     ax = axes[0][0]
     if overhead:
         sizes = sorted({r["size"] for r in overhead["rows"]}, key=lambda s: int(s[:-1]))
-        for offset, mode in ((-0.2, "ft"), (0.2, "torchft")):
+        modes = [m for m in ("ddp_view", "ft", "torchft") if any(r["mode"] == m for r in overhead["rows"])]
+        width = 0.8 / len(modes)
+        for k, mode in enumerate(modes):
             values = [
                 next(r["ratio_vs_ddp"] for r in overhead["rows"] if r["size"] == s and r["mode"] == mode) for s in sizes
             ]
-            ax.bar([i + offset for i in range(len(sizes))], values, width=0.4, label=f"{mode} / DDPStrategy")
+            offset = -0.4 + width * (k + 0.5)
+            ax.bar([i + offset for i in range(len(sizes))], values, width=width, label=f"{mode} / DDPStrategy")
         for i, size in enumerate(sizes):
             ax.hlines(OVERHEAD_TARGETS[size], i - 0.45, i + 0.45, colors="k", linestyles="--")
         ax.set_xticks(range(len(sizes)), [f"{s.upper()} params" for s in sizes])
