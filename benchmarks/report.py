@@ -46,6 +46,13 @@ def summary_rows(overhead: Any, goodput: Any, heal: Any) -> list[str]:
                     f"({row['step_ms']:.1f} ms per step) | {measured} | ≤ {target:.2f}× | {verdict(met)} |"
                 )
         for row in overhead["rows"]:
+            like_for_like = _like_for_like_ratio(overhead, row) if row["mode"] == "ft" else None
+            if like_for_like is not None:
+                rows.append(
+                    f"| step time, FTStrategy / DDPStrategy(gradient_as_bucket_view=True), {row['size'].upper()} "
+                    f"parameters: what fault tolerance alone costs | {like_for_like:.3f}× | (reported) | |"
+                )
+        for row in overhead["rows"]:
             if row["mode"] == "ft":
                 rows.append(
                     f"| peak RSS per process, FTStrategy / DDPStrategy, {row['size'].upper()} "
@@ -79,6 +86,13 @@ def summary_rows(overhead: Any, goodput: Any, heal: Any) -> list[str]:
                 f"| ≥ {HEAL_TARGET_GBPS} GB/s | {verdict(row['gb_per_s'] >= HEAL_TARGET_GBPS)} |"
             )
     return rows
+
+
+def _like_for_like_ratio(overhead: Any, ft_row: dict[str, Any]) -> float | None:
+    """``ft`` ÷ ``ddp_view`` (DDPStrategy with FTStrategy's default ``gradient_as_bucket_view=True``) at the size of
+    ``ft_row``, by medians of runs; ``None`` where ``ddp_view`` was not measured (``overhead.py --modes``)."""
+    view = [r for r in overhead["rows"] if r["size"] == ft_row["size"] and r["mode"] == "ddp_view"]
+    return ft_row["step_ms"] / view[0]["step_ms"] if view else None
 
 
 def overhead_table(overhead: Any) -> list[str]:
