@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # The performance benchmarks of docs/benchmarks.md: step time and memory against DDPStrategy, heal throughput, goodput
 # and recovery against torchrun restarts, the cluster-scale model, and the table and plot of every figure against its
-# target. About 14 minutes on 2 CPU cores; run it on an otherwise idle machine.
+# target. About 12 minutes on 2 CPU cores; run it on an otherwise idle machine.
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/overhead.py
