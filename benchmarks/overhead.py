@@ -46,7 +46,7 @@ REPEATS = {"1m": 3, "50m": 2}  # a 50M run takes about 40 s here; its steps vary
 def command(mode: str, size: str, root: Path) -> list[str]:
     worker = [
         "overhead_worker.py",
-        f"--mode={mode}",
+        f"--mode={'ddp' if mode == 'ddp_view' else mode}",
         f"--size={size}",
         f"--steps={STEPS[size]}",
         f"--root={root}",
@@ -55,7 +55,7 @@ def command(mode: str, size: str, root: Path) -> list[str]:
     if mode in ("ddp", "ddp_view"):
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         if mode == "ddp_view":
-            worker = [worker[0], "--mode=ddp", *worker[2:], '--ddp-args={"gradient_as_bucket_view": true}']
+            worker.append('--ddp-args={"gradient_as_bucket_view": true}')
         return [*torchrun, *worker]
     launch = [*LIGHTNING_FT, "launch", "--replica-groups=2", "--min-replicas=2", "--max-restarts=0"]
     return [*launch, "--", "python", *worker]
