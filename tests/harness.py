@@ -92,6 +92,15 @@ class LaunchedJob:
         steps = self.events("step", group=group, rank=rank, committed=True)
         return [record["step"] for record in steps if pid is None or record["pid"] == pid]
 
+    def hold_from_step(self, group: int, step: int) -> Path:
+        """Make ``group`` stop after the batch that takes it to ``global_step`` >= ``step`` (see the worker's
+        ``TestGates``) until the returned file is removed. Written atomically: a worker never reads half a number."""
+        gate = self.root / f"pause.group{group}.from_step"
+        partial = gate.with_suffix(".partial")
+        partial.write_text(str(step))
+        partial.replace(gate)
+        return gate
+
     def wait_exit(self, timeout: float = 240.0) -> int:
         try:
             return self.process.wait(timeout=timeout)

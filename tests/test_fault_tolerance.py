@@ -33,7 +33,11 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
     """SIGKILL ``victim``'s worker ``rank`` after it committed steps together with its peer; let the survivor
     commit alone; pause the survivor until every rank of the restarted victim is about to ask for its first quorum
     (the lighthouse's majority rule then holds that request until the survivor asks too, so the restarted group is
-    in the next quorum). Returns the time of the kill."""
+    in the next quorum). Returns the time of the kill.
+
+    The survivor's pause is set before the kill, at a step well past the victim's last one seen (the victim may
+    commit a few more before the SIGKILL lands): a pause set after the survivor's solo commits could come after it
+    has already run to ``max_steps``."""
     attempt = job.attempt(victim, rank)
     pid = job.worker_pid(victim, rank, attempt)
     job.wait_for(
@@ -49,23 +53,20 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
             >= 3
         ),
     )
+    hold = job.hold_from_step(survivor, max(job.committed_steps(victim, rank, pid)) + 20)
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     job.wait_for(
-        f"group {survivor} to commit 3 steps on its own",
+        f"group {survivor} to commit on its own and stop",
         lambda: (
-            len(
-                [
-                    e
-                    for e in job.events("step", group=survivor, rank=0, committed=True)
-                    if e["time"] > killed_at and e["participants"] == 1
-                ]
-            )
-            >= 3
+            job.events("paused", group=survivor, rank=0, phase="from_step")
+            and [
+                e
+                for e in job.events("step", group=survivor, rank=0, committed=True)
+                if e["time"] > killed_at and e["participants"] == 1
+            ]
         ),
     )
-    pause = job.root / f"pause.group{survivor}"
-    pause.touch()
     restarted = job.wait_for(
         f"torchrun to restart group {victim}",
         lambda: (
@@ -77,7 +78,7 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
         f"restarted group {victim} to ask for its first quorum",
         lambda: all(job.events("joining", group=victim, pid=pid) for pid in restarted),
     )
-    pause.unlink()
+    hold.unlink()
     return killed_at
 
 
@@ -158,20 +159,26 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     start_together(job, groups=2, nproc=1)
     attempt = job.attempt(1, 0)
     victim = job.worker_pid(1, 0, attempt)
-    job.wait_for("group 1 to stop inside validation", lambda: job.events("paused", pid=victim, phase="validation"))
+    paused = job.wait_for(
+        "group 1 to stop inside validation", lambda: job.events("paused", pid=victim, phase="validation")
+    )
+    hold = job.hold_from_step(0, paused[0]["step"] + 20)  # set before the kill: see kill_and_restart
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     (job.root / "pause.group1.validation").unlink()
     job.wait_for(
-        "group 0 to commit on its own",
-        lambda: [
-            e for e in job.events("step", group=0, committed=True) if e["time"] > killed_at and e["participants"] == 1
-        ],
+        "group 0 to commit on its own and stop",
+        lambda: (
+            job.events("paused", group=0, phase="from_step")
+            and [
+                e
+                for e in job.events("step", group=0, committed=True)
+                if e["time"] > killed_at and e["participants"] == 1
+            ]
+        ),
     )
-    pause = job.root / "pause.group0"
-    pause.touch()
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    pause.unlink()
+    hold.unlink()
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
     record("SIGKILL of a group inside validation", job, failed_at=killed_at, victim=1, survivors=[0])

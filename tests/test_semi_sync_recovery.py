@@ -42,8 +42,45 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
     max_steps, sync_every = 48, 4
     job = launch(groups=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay))
     start_together(job, groups=2, nproc=1)
-    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0)
+    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=sync_every // fragments)
     assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
+    joins = [e for e in job.events("step", group=1, pid=job.worker_pid(1, 0)) if e.get("sync") == "join"]
+    assert joins[0]["global_step"] < max_steps, f"group 1 was meant to join a periodic sync: {joins[0]}"
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "fragments", "delay", "async_quorum"),
+    [
+        *[pytest.param(*case.values, 0, id=case.id) for case in SEMI_SYNC_CASES],
+        pytest.param("local_sgd", 1, 0, 1, id="local_sgd-async-quorum"),  # heals at the join sync's vote
+    ],
+)
+def test_a_group_that_restarts_during_the_final_syncs_joins_them_and_trains_no_further(
+    launch, algorithm, fragments, delay, async_quorum
+):
+    """Group 1 is SIGKILLed; group 0 trains on alone to ``max_steps`` and is held there, before its final syncs,
+    until the restarted group 1 asks to join. Group 1 heals into the first final sync, runs the ones left with group 0
+    (two with 2 fragments), and trains no further batch: both end at ``max_steps``, in the same epoch, with the same
+    committed syncs and bit-identical parameters."""
+    max_steps, sync_every = 48, 4
+    args = semi_sync_args(max_steps, algorithm, sync_every, fragments, delay)
+    job = launch(groups=2, worker_args=[*args, f"--async-quorum={async_quorum}"])
+    start_together(job, groups=2, nproc=1)
+    period = sync_every // fragments
+    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=period, hold_from=max_steps)
+    syncs = 1 + max_steps // period + fragments - 1
+    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=syncs, join_participants=1 if async_quorum else 2)
+    restarted = job.worker_pid(1, 0)
+    joined = job.events("joined_final_syncs", pid=restarted)
+    assert joined and joined[0]["global_step"] == max_steps, joined
+    assert not job.events("batch", pid=restarted), "the group that joined the final syncs trained a batch"
+    # Group 0's final syncs that open a quorum (with a delay, the one in flight opened before the last inner step),
+    # every one of them also run by the restarted group: its join sync, then the rest.
+    final_syncs = [e["step"] for e in job.events("step", group=0, sync="final") if e["opened_at"] == max_steps]
+    assert [e["step"] for e in job.events("step", pid=restarted)] == final_syncs, final_syncs
+    assert joined[0]["syncs"] == len(final_syncs) == fragments - (1 if delay else 0), (final_syncs, joined)
+    states = job.final_states()
+    assert states[(0, 0)]["epoch"] == states[(1, 0)]["epoch"], (states[(0, 0)]["epoch"], states[(1, 0)]["epoch"])
 
 
 @pytest.mark.parametrize(
@@ -66,17 +103,20 @@ def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
     )
     gate = job.root / "pause.group1.allreduce"
     gate.touch()
-    job.wait_for("group 1 to stop inside a sync", lambda: job.events("paused", pid=victim, phase="allreduce"))
+    paused = job.wait_for("group 1 to stop inside a sync", lambda: job.events("paused", pid=victim, phase="allreduce"))
+    # Group 0 then syncs alone and waits (heartbeating) until the restarted group 1 asks to join, so that it joins a
+    # periodic sync; held two sync periods after the cut sync's opening, past its next (solo) sync's end.
+    hold = job.hold_from_step(0, paused[0]["step"] + 2 * (sync_every // fragments))
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     gate.unlink()
-    job.wait_for("group 0 to end the sync that group 1 died in", lambda: after(job, killed_at))
-    # Group 0 then waits (heartbeating) until the restarted group 1 asks to join, so that it joins a sync.
-    pause = job.root / "pause.group0"
-    pause.touch()
+    job.wait_for(
+        "group 0 to end the sync that group 1 died in, sync alone and stop",
+        lambda: len(after(job, killed_at)) >= 2 and job.events("paused", group=0, phase="from_step"),
+    )
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its join sync", lambda: job.events("joining", pid=restarted))
-    pause.unlink()
+    hold.unlink()
     uninterrupted = 1 + max_steps // (sync_every // fragments) + fragments - 1
     assert_outcome(job, nproc=1, max_steps=max_steps, syncs=uninterrupted - 1)
     cut, *later = after(job, killed_at)
@@ -91,10 +131,19 @@ def after(job: LaunchedJob, moment: float) -> list[dict]:
     return [e for e in job.events("step", group=0) if e["time"] > moment]
 
 
-def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank: int) -> None:
+def kill_between_syncs_and_restart(
+    job: LaunchedJob, *, nproc: int, victim_rank: int, sync_period: int, hold_from: int | None = None
+) -> None:
     """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
-    is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) until every restarted rank of group 1 is
-    about to ask for its join sync, which the lighthouse then holds until group 0's next sync."""
+    is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) at ``global_step`` ``hold_from`` until every
+    restarted rank of group 1 is about to ask for its join sync, which the lighthouse then holds until group 0's next
+    sync.
+
+    The hold is set before the kill: group 0 alone runs a whole small job's steps in a fraction of a second, faster
+    than a gate set after its first solo sync could stop it. By default it holds two sync periods after group 1's
+    stop, which is past group 0's first solo sync (its next sync opening and, with a delay, that sync's end). The
+    restarted group 1 waits for the ``go`` gate, removed before the kill, until group 0 is held, so that the sync it
+    joins is always the one that follows the hold, however slowly group 0 gets there."""
     attempt = job.attempt(1, victim_rank)
     victim = job.worker_pid(1, victim_rank, attempt)
     job.wait_for(
@@ -105,18 +154,25 @@ def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank:
     )
     gate = job.root / f"pause.group1.rank{victim_rank}"
     gate.touch()
-    job.wait_for("group 1 to stop between two syncs", lambda: job.events("paused", pid=victim))
+    paused = job.wait_for("group 1 to stop between two syncs", lambda: job.events("paused", pid=victim))
+    hold = job.hold_from_step(0, paused[0]["step"] + 2 * sync_period if hold_from is None else hold_from)
+    go = job.root / "go"
+    go.unlink()
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     gate.unlink()
     job.wait_for(
-        "group 0 to sync on its own",
-        lambda: [
-            e for e in job.events("step", group=0, committed=True) if e["time"] > killed_at and e["participants"] == 1
-        ],
+        "group 0 to sync on its own and stop",
+        lambda: (
+            job.events("paused", group=0, phase="from_step")
+            and [
+                e
+                for e in job.events("step", group=0, committed=True)
+                if e["time"] > killed_at and e["participants"] == 1
+            ]
+        ),
     )
-    pause = job.root / "pause.group0"
-    pause.touch()
+    go.touch()
     restarted = job.wait_for(
         "torchrun to restart group 1",
         lambda: (
@@ -125,13 +181,16 @@ def kill_between_syncs_and_restart(job: LaunchedJob, *, nproc: int, victim_rank:
         ),
     )
     job.wait_for("group 1 to ask for its join sync", lambda: all(job.events("joining", pid=pid) for pid in restarted))
-    pause.unlink()
+    hold.unlink()
 
 
-def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) -> None:
+def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int, join_participants: int = 2) -> None:
     """The restarted group healed in a join sync with its peer; every replica ends at ``max_steps`` inner steps and
     ``syncs`` committed syncs, with bit-identical parameters and LR schedules. Each group keeps its own inner
-    optimizer state (only parameters, or pseudo-gradients, are averaged)."""
+    optimizer state (only parameters, or pseudo-gradients, are averaged).
+
+    ``join_participants``: with asynchronous quorum the restarted group heals at its join sync's vote and, as in
+    torchft's per-step training, sits that sync out (it is not counted as a participant)."""
     assert job.wait_exit() == 0, job.tail()
     for group in range(2):
         for rank in range(nproc):
@@ -143,7 +202,7 @@ def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int) 
     heals = job.events("healed", group=1, pid=restarted)
     assert heals and heals[0]["step"] > 0, f"the restarted group never healed from a live peer\n{job.tail()}"
     joins = [e for e in job.events("step", pid=restarted) if e.get("sync") == "join"]
-    assert joins and joins[0]["committed"] and joins[0]["participants"] == 2, joins
+    assert joins and joins[0]["committed"] and joins[0]["participants"] == join_participants, joins
 
     states = job.final_states()
     assert sorted(states) == [(g, r) for g in range(2) for r in range(nproc)], sorted(states)

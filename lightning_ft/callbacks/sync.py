@@ -6,6 +6,8 @@ Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStra
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,6 +51,10 @@ class SyncCallback(Callback):
 
     ``trainer.global_step`` counts inner steps and is Lightning's own; a healing group takes its peer's value from the
     heal payload. The Manager step counts committed syncs (the join sync at the start of the job included).
+
+    A group that restarts while its peers are in their final syncs (``on_train_end``, after their last inner step)
+    joins those: the heal payload says how many of them are left, the group runs them with its peers, and it trains no
+    further batch (see :meth:`_join_final_syncs`).
     """
 
     def __init__(self) -> None:
@@ -60,6 +66,13 @@ class SyncCallback(Callback):
         self._fragment_sync_delay = 0
         self._diloco: DiLoCoSync | None = None
         self._restored_diloco: dict[str, Any] | None = None
+        # This group's final syncs still to run, the one being opened included: in the heal payload, so that a group
+        # joining one of them knows how many follow. 0 outside on_train_end.
+        self._final_syncs_left = 0
+        # A healing group's copy of its peer's count, taken from the heal payload.
+        self._peers_final_syncs_left = 0
+        # Set when this group joined its peers' final syncs: its loop counters to end with (see on_train_end).
+        self._joined_final_epoch_progress: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -72,16 +85,20 @@ class SyncCallback(Callback):
         self._fragment_sync_delay = _algorithm(trainer).fragment_sync_delay
         self._diloco = None
         self._restored_diloco = None  # Lightning restores a checkpoint after setup (see on_load_checkpoint)
+        self._final_syncs_left = self._peers_final_syncs_left = 0
+        self._joined_final_epoch_progress = None
 
         def save() -> dict[str, int]:
             return {
                 "global_step": trainer.global_step,
                 "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "final_syncs_left": self._final_syncs_left,
             }
 
         def load(state: dict[str, int]) -> None:
             align_step_counters(trainer, int(state["global_step"]))
             align_logger_step(trainer, int(state["batches_that_stepped"]))
+            self._peers_final_syncs_left = int(state.get("final_syncs_left", 0))  # absent from older payloads
 
         ft_manager(trainer).register_state_dict_fn(SYNC_STATE_KEY, load, save)
 
@@ -180,8 +197,12 @@ class SyncCallback(Callback):
           Manager step): no sync here, the quorum is released without a vote, and the schedule goes on as if the job
           had never stopped. Resuming inside a delayed sync's overlap window cannot do that (the pseudo-gradient in
           flight is not in the checkpoint): that sync is redone from the resume point.
+        * A restarted group healed into its peers' final syncs: it runs them with its peers and trains no further
+          batch (:meth:`_join_final_syncs`).
         """
         self._open(trainer, "join")
+        if self._peers_final_syncs_left:  # healed inside the quorum (synchronous quorum)
+            self._join_final_syncs(trainer, finished=False)
         step, period, delay = trainer.global_step, _algorithm(trainer).sync_period, self._fragment_sync_delay
         since_opening = (step + delay) % period  # inner steps since the latest sync's opening step
         if ft_manager(trainer).current_step() == 0 or (since_opening == 0 and not delay):
@@ -193,6 +214,44 @@ class SyncCallback(Callback):
             self._finish(trainer)
         else:
             self._prepare(trainer)
+        if self._peers_final_syncs_left:  # healed at the join sync's vote (asynchronous quorum, LocalSGD only)
+            self._join_final_syncs(trainer, finished=True)
+
+    def _join_final_syncs(self, trainer: pl.Trainer, *, finished: bool) -> None:
+        """The join sync healed this group into its peers' final syncs: they have run their last inner step
+        (``global_step`` is now theirs, ``max_steps``) and sync in ``on_train_end``. Finish this sync (unless the heal
+        came at its vote, ``finished``) and run the ones left after it with them, as final syncs, then skip the batch
+        this group was about to train: another inner step would leave it one step past its peers, with parameters
+        they never see.
+
+        Lightning lets only the LightningModule's ``on_train_batch_start`` skip a batch (by returning -1), so this
+        raises ``StopIteration``, which Lightning's epoch loop takes as the end of the epoch, as it does for -1:
+        nothing of the batch runs, neither the step nor the LR schedulers' update. The fit loop then ends the epoch
+        and, with ``global_step`` at ``max_steps``, the fit; :meth:`on_train_end` restores the epoch counters the
+        peer sent, which had already counted this epoch's end.
+        """
+        left, self._peers_final_syncs_left = self._peers_final_syncs_left, 0
+        with self._final_sync_rules():
+            if not finished:
+                self._finish(trainer)
+            for _ in range(left - 1):
+                self._sync(trainer, "final")
+        self._joined_final_epoch_progress = trainer.fit_loop.epoch_progress.state_dict()
+        events.emit("joined_final_syncs", global_step=trainer.global_step, syncs=left)
+        raise StopIteration
+
+    def _final_sync_rules(self) -> contextlib.AbstractContextManager[None]:
+        """DiLoCo's final syncs take the global parameters as they are (``fragment_update_alpha`` is not applied)."""
+        return self._diloco.without_update_alpha() if self._diloco is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _counting_final_syncs(self, count: int) -> Iterator[None]:
+        """Publish how many final syncs are left (for the heal payload) while this group runs them."""
+        self._final_syncs_left = count
+        try:
+            yield
+        finally:
+            self._final_syncs_left = 0
 
     @override
     def on_train_batch_start(
@@ -232,20 +291,21 @@ class SyncCallback(Callback):
         """
         if not self._joined:
             return
+        if self._joined_final_epoch_progress is not None:
+            trainer.fit_loop.epoch_progress.load_state_dict(self._joined_final_epoch_progress)
+            return
         step = trainer.global_step
         final = step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step
         if not final:
             if self._in_flight is not None:
                 self._finish(trainer)
             return
-        if self._diloco is None:
-            self._sync(trainer, "final")
-            return
-        with self._diloco.without_update_alpha():
-            remaining = self._diloco.num_fragments
+        with self._final_sync_rules():
+            remaining = 1 if self._diloco is None else self._diloco.num_fragments
             if self._in_flight is not None:
                 self._reason = "final"
                 self._finish(trainer)
                 remaining -= 1
-            for _ in range(remaining):
-                self._sync(trainer, "final")
+            for left in range(remaining, 0, -1):
+                with self._counting_final_syncs(left):
+                    self._sync(trainer, "final")

@@ -185,6 +185,9 @@ class TestGates(pl.Callback):
       the first quorum includes every group and no group races ahead alone.
     * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
     * ``<dir>/pause.group<G>.rank<R>``: the same for one rank; it emits a ``paused`` event when it stops.
+    * ``<dir>/pause.group<G>.from_step`` holding a number N: group G stops after the batch that takes its
+      ``global_step`` to N or beyond, and stays there while the file exists (``paused`` event). Written before a
+      fault, it holds a fast survivor at a known step, where a gate touched after the fault might come too late.
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
       batches before it (``paused`` event).
@@ -237,8 +240,12 @@ class TestGates(pl.Callback):
         self._wait(lambda: not pause.exists(), f"{pause} to disappear")
         rank_pause = self.directory / f"pause.group{self.group}.rank{self.rank}"
         if rank_pause.exists():
-            events.emit("paused")
+            events.emit("paused", step=trainer.global_step)
             self._wait(lambda: not rank_pause.exists(), f"{rank_pause} to disappear")
+        from_step = self.directory / f"pause.group{self.group}.from_step"
+        if from_step.exists() and trainer.global_step >= int(from_step.read_text()):
+            events.emit("paused", phase="from_step", step=trainer.global_step)
+            self._wait(lambda: not from_step.exists(), f"{from_step} to disappear")
 
 
 class RecordMetrics(pl.Callback):
@@ -294,6 +301,7 @@ class SaveFinalState(pl.Callback):
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
             "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
             "manager_step": strategy.manager.current_step(),
             "batches_committed": strategy.manager.batches_committed(),
             "best_model_score": trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None,
