@@ -54,17 +54,21 @@ def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_pat
     attempt = job.attempt(0, 0)
     writer_pid = job.worker_pid(0, 0, attempt)
     job.wait_for("group 0 to write a checkpoint", lambda: job.events("checkpoint_saved", group=0, pid=writer_pid))
+    # Group 1 is held 15 steps on (3 checkpoints), until the restarted group 0 asks to join; set before the kill, as
+    # a hold set after group 1's first save could come after it had run to the end.
+    hold = job.hold_from_step(1, max(job.committed_steps(0, 0, writer_pid)) + 15)
     killed_at = time.time()
     os.kill(writer_pid, signal.SIGKILL)
     job.wait_for(
-        "group 1 to take over writing",
-        lambda: [r for r in job.events("checkpoint_saved", group=1) if r["time"] > killed_at],
+        "group 1 to take over writing and stop",
+        lambda: (
+            job.events("paused", group=1, phase="from_step")
+            and [r for r in job.events("checkpoint_saved", group=1) if r["time"] > killed_at]
+        ),
     )
-    pause = job.root / "pause.group1"
-    pause.touch()
     restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt + 1))
     job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    pause.unlink()
+    hold.unlink()
     assert job.wait_exit() == 0, job.tail()
 
     assert_one_writer_per_save(job)

@@ -99,9 +99,9 @@ def test_a_late_group_joins_heals_adds_throughput_and_leaves_for_good(tmp_path):
     late: LaunchedJob | None = None
     try:
         first.wait_for("group 0 to start", lambda: first.worker_pid(0, 0))
+        hold = first.hold_from_step(0, 10)  # alone it would finish before the late group has imported torch
         (root / "go").touch()
-        first.wait_for("group 0 to commit 10 steps alone", lambda: len(first.committed_steps(0)) >= 10)
-        (root / "pause.group0").touch()  # alone it would finish before the late group has imported torch
+        first.wait_for("group 0 to commit 10 steps alone and stop", lambda: first.events("paused", phase="from_step"))
         late = launch_job(
             root,
             groups=2,
@@ -110,7 +110,7 @@ def test_a_late_group_joins_heals_adds_throughput_and_leaves_for_good(tmp_path):
             log_name="late.log",
         )
         joined = late.wait_for("group 1 to ask for its first quorum", lambda: late.events("joining", group=1))
-        (root / "pause.group0").unlink()
+        hold.unlink()
         late.wait_for(
             "group 1 to commit 5 steps with group 0",
             lambda: len([e for e in late.events("step", group=1, committed=True) if e["participants"] == 2]) >= 5,

@@ -61,25 +61,28 @@ def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
     record("NaN gradients on one replica", job, failed_at=injected_at(job), victim=0, survivors=[1])
 
 
-def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int) -> None:
-    """Group 1's first process failed on its own (injected). Let group 0 commit steps alone, then hold it between two
-    batches (heartbeating) until torchrun's restart of group 1 asks for its first quorum, so that group 0 cannot finish
-    the job before group 1 is back. The lighthouse holds group 1's request until group 0 asks too."""
+def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int, failure_step: int) -> None:
+    """Group 1's first process fails on its own (injected) at ``failure_step``. Let group 0 commit steps alone, then
+    hold it between two batches (heartbeating) until torchrun's restart of group 1 asks for its first quorum, so that
+    group 0 cannot finish the job before group 1 is back. The lighthouse holds group 1's request until group 0 asks
+    too. The hold is set now, at a step past the failure, not after group 0's solo commits: a fast survivor could
+    run to ``max_steps`` before a hold set then."""
+    hold = job.hold_from_step(0, failure_step + 12)
     failed_at = job.wait_for("the injected failure", lambda: job.events("failure_injected", pid=first_pid))[0]["time"]
     job.wait_for(
-        "group 0 to commit 2 steps on its own",
+        "group 0 to commit 2 steps on its own and stop",
         lambda: (
-            len([e for e in job.events("step", group=0, committed=True, participants=1) if e["time"] > failed_at]) >= 2
+            job.events("paused", group=0, phase="from_step")
+            and len([e for e in job.events("step", group=0, committed=True, participants=1) if e["time"] > failed_at])
+            >= 2
         ),
     )
-    pause = job.root / "pause.group0"
-    pause.touch()
     restarted = job.wait_for(
         "torchrun to restart group 1",
         lambda: (pid := job.worker_pid(1, 0)) != first_pid and pid,
     )
     job.wait_for("the restarted group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    pause.unlink()
+    hold.unlink()
 
 
 def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
@@ -90,7 +93,7 @@ def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(lau
     failure = inject({"kind": "raise", "group": 1, "step": 8})
     job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", failure, "--csv-logs={root}/logs", *GATES])
     start_together(job, groups=2, nproc=1)
-    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0), failure_step=8)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
     assert "InjectedFailure" in job.log_path.read_text(errors="replace")
@@ -130,7 +133,7 @@ def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_
     failure = {"kind": "kill", "group": 1, "step": 8, "at": "allreduce"}
     job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
     start_together(job, groups=2, nproc=1)
-    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0))
+    hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0), failure_step=8)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     uncommitted = job.events("step", group=0, committed=False)
     assert len(uncommitted) <= 1, f"the survivor lost more than one step: {uncommitted}"
@@ -217,11 +220,14 @@ def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
     start_together(job, groups=3, nproc=1)
     first = job.worker_pid(2, 0, 0)
     job.wait_for("the check to name group 2", lambda: job.events("replica_diverged", group=0))
-    pause = job.root / "pause.group0"
-    pause.touch()  # group 1 then waits in its quorum for group 0, so neither finishes before group 2 is back
+    # Right away (two groups take about 5 ms a step here, so the 45 steps left outlast the wait's poll by far). A hold
+    # at a fixed later step was tried: group 1, left waiting, once formed a quorum alone and finished before group 2
+    # healed.
+    hold = job.root / "pause.group0"
+    hold.touch()  # group 1 then waits in its quorum for group 0, so neither finishes before group 2 is back
     restarted = job.wait_for("torchrun to restart group 2", lambda: (pid := job.worker_pid(2, 0)) != first and pid)
     job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    pause.unlink()
+    hold.unlink()
     assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
     reports = job.events("replica_diverged")
     assert {e["group"] for e in reports} >= {0, 1}, reports

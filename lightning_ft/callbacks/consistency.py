@@ -53,13 +53,17 @@ def parameter_fingerprint(parameters: list[Tensor]) -> tuple[int, int]:
 class ReplicaConsistencyCheck(Callback):
     """Every ``every_n_steps`` committed steps, compare every replica's parameter fingerprint across groups.
 
-    The check runs at the start of a step, on the step's quorum, among the groups that take part in it. Rank r of
-    each group is compared with rank r of the others (with sharded parameters they hold the same shard). A group
+    The check runs at the end of the batch whose vote committed the step, on a quorum of its own (a sync section)
+    among the groups that committed it. Not at the start of a step, on the step's quorum: with asynchronous quorum a
+    group that heals in that step only learns the committed step count once the quorum is in, so it could not know
+    whether the others are about to check, and a collective that only some groups make can abort a healthy peer
+    inside Gloo. After the vote every group of the step's quorum, a healed one included, has the same count. Rank r
+    of each group is compared with rank r of the others (with sharded parameters they hold the same shard). A group
     whose fingerprint differs from the majority's is named in an error log and a ``replica_diverged`` event, then:
 
     * ``on_divergence="heal"`` (default): the diverged group stops with :class:`ReplicaDivergedError`; torchrun
       restarts it and it heals from a live peer, like any failed group. The others go on (they lose at most the
-      step in which it stopped).
+      step after the check).
     * ``on_divergence="stop"``: every group stops with :class:`ReplicaDivergedError`.
 
     Without a strict majority (two groups that disagree) nobody can tell which one is right: every group stops.
@@ -93,22 +97,27 @@ class ReplicaConsistencyCheck(Callback):
         self._checked_step = None
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # no vote in this batch
+            return
+        if not ft_step_protocol(trainer).last_step_committed:
+            return  # the vote failed in every group of the quorum: the count they share did not move
         manager = ft_manager(trainer)
         step = manager.current_step()
         if step == 0 or step % self.every_n_steps or step == self._checked_step:
-            return
-        if not ft_step_protocol(trainer).quorum_open:  # a custom loop without a step quorum: nothing to check on
             return
         self._checked_step = step
         group = trainer.strategy.settings.replica_group_id  # type: ignore[attr-defined]
         total, squares = parameter_fingerprint(list(pl_module.parameters()))
         mine = torch.tensor([group, trainer.global_rank, total, squares], dtype=torch.int64)
-        everyone = ft_collectives(trainer).all_gather(mine)
-        if not manager.is_participating():  # healing in this step: its own parameters are not current yet
-            return
+        collectives = ft_collectives(trainer)
+        collectives.open_section()
+        try:
+            everyone = collectives.all_gather(mine)
+        finally:
+            collectives.close_section()  # the batch's own logging after this stays where it was
         self.checks += 1
         diverged, undecided = _diverged_groups([tuple(int(v) for v in row.tolist()) for row in everyone])
         if not diverged and not undecided:
