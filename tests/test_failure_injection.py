@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -200,6 +202,31 @@ def test_the_diverged_group_is_the_one_outside_the_majority():
     assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (0, 1, *ok), (1, 1, *bad), (2, 1, *ok)]) == ({1}, set())
     assert _diverged_groups([(0, 0, *ok), (1, 0, *bad)]) == (set(), {0, 1})  # two groups: nobody can tell
     assert _diverged_groups([(0, 0, *ok), (1, 0, *ok)]) == (set(), set())
+
+
+def test_a_group_that_heals_where_a_consistency_check_is_due_takes_part_in_it(launch):
+    """Asynchronous quorum (the default): group 1 is SIGKILLed and its restart joins when group 0 has committed 35
+    steps, a multiple of the check's 5. The restarted group only learns that count when its quorum is in, so a check
+    decided at the step's start would be made by group 0 alone, whose fingerprint all-gather would then meet group 1's
+    gradient allreduce inside Gloo (which aborts a process on such a mismatch). The check runs after the vote instead:
+    nobody restarts but the victim, the check after the heal finds the replicas identical, and they end identical."""
+    max_steps = 60
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--consistency-every=5", *GATES])
+    start_together(job, groups=2, nproc=1)
+    attempt = job.attempt(1, 0)
+    victim = job.worker_pid(1, 0, attempt)
+    job.wait_for("group 1 to commit 3 steps with its peer", lambda: len(job.committed_steps(1, pid=victim)) >= 3)
+    hold = job.hold_from_step(0, 35)
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for("group 0 to reach step 35 alone and stop", lambda: job.events("paused", group=0, phase="from_step"))
+    restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
+    job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    hold.unlink()
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps)
+    healed = job.events("healed", pid=restarted)
+    assert healed and healed[0]["step"] == 35, healed
+    assert len(job.events("started", group=0)) == 1, "the healthy group was restarted"
+    assert not job.events("replica_diverged"), job.events("replica_diverged")
 
 
 @pytest.mark.timeout(420)
