@@ -225,7 +225,9 @@ class CrossGroupCollectives:
         Groups must meet in a section at the same position. Should one be somewhere else (a step that committed in
         one group and not in another, just before a section), the odd length keeps it from pairing with anything
         but another handshake: Gloo refuses an exchange whose sizes differ, so a training step's gradients (whole
-        floats) can never be summed with it. A participant at another position ends the attempt.
+        floats) can never be summed with it. Refusing can mean aborting the receiving process (Gloo's
+        ``EnforceNotMet`` in its transport thread, seen here): a restart and a heal, never a wrong sum. A
+        participant at another position ends the attempt.
         """
         mine = torch.tensor(list(self.position()), dtype=torch.int64)
         slot = mine.view(torch.uint8)
