@@ -101,6 +101,20 @@ class LaunchedJob:
         partial.replace(gate)
         return gate
 
+    def wait_held_alone(self, group: int, since: float) -> None:
+        """Wait until ``group`` has committed a step (or sync) on its own after ``since`` and stopped at its
+        ``from_step`` hold (:meth:`hold_from_step`)."""
+        self.wait_for(
+            f"group {group} to commit on its own and stop",
+            lambda: (
+                self.events("paused", group=group, phase="from_step")
+                and any(
+                    e["time"] > since and e["participants"] == 1
+                    for e in self.events("step", group=group, committed=True)
+                )
+            ),
+        )
+
     def wait_exit(self, timeout: float = 240.0) -> int:
         try:
             return self.process.wait(timeout=timeout)

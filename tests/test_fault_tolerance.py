@@ -56,17 +56,7 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
     hold = job.hold_from_step(survivor, max(job.committed_steps(victim, rank, pid)) + 20)
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
-    job.wait_for(
-        f"group {survivor} to commit on its own and stop",
-        lambda: (
-            job.events("paused", group=survivor, rank=0, phase="from_step")
-            and [
-                e
-                for e in job.events("step", group=survivor, rank=0, committed=True)
-                if e["time"] > killed_at and e["participants"] == 1
-            ]
-        ),
-    )
+    job.wait_held_alone(survivor, since=killed_at)
     restarted = job.wait_for(
         f"torchrun to restart group {victim}",
         lambda: (
@@ -166,17 +156,7 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     (job.root / "pause.group1.validation").unlink()
-    job.wait_for(
-        "group 0 to commit on its own and stop",
-        lambda: (
-            job.events("paused", group=0, phase="from_step")
-            and [
-                e
-                for e in job.events("step", group=0, committed=True)
-                if e["time"] > killed_at and e["participants"] == 1
-            ]
-        ),
-    )
+    job.wait_held_alone(0, since=killed_at)
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     hold.unlink()

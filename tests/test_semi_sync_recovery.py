@@ -161,17 +161,7 @@ def kill_between_syncs_and_restart(
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     gate.unlink()
-    job.wait_for(
-        "group 0 to sync on its own and stop",
-        lambda: (
-            job.events("paused", group=0, phase="from_step")
-            and [
-                e
-                for e in job.events("step", group=0, committed=True)
-                if e["time"] > killed_at and e["participants"] == 1
-            ]
-        ),
-    )
+    job.wait_held_alone(0, since=killed_at)
     go.touch()
     restarted = job.wait_for(
         "torchrun to restart group 1",
