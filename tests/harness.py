@@ -101,17 +101,18 @@ class LaunchedJob:
         partial.replace(gate)
         return gate
 
-    def wait_held_alone(self, group: int, since: float) -> None:
-        """Wait until ``group`` has committed a step (or sync) on its own after ``since`` and stopped at its
-        ``from_step`` hold (:meth:`hold_from_step`)."""
+    def wait_held_alone(self, group: int, since: float, commits: int = 1) -> None:
+        """Wait until ``group`` has committed ``commits`` steps (or syncs) on its own after ``since`` and stopped at
+        its ``from_step`` hold (:meth:`hold_from_step`)."""
         self.wait_for(
-            f"group {group} to commit on its own and stop",
+            f"group {group} to commit {commits} on its own and stop",
             lambda: (
                 self.events("paused", group=group, phase="from_step")
-                and any(
+                and sum(
                     e["time"] > since and e["participants"] == 1
                     for e in self.events("step", group=group, committed=True)
                 )
+                >= commits
             ),
         )
 

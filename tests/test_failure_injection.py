@@ -71,14 +71,7 @@ def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int, 
     run to ``max_steps`` before a hold set then."""
     hold = job.hold_from_step(0, failure_step + 12)
     failed_at = job.wait_for("the injected failure", lambda: job.events("failure_injected", pid=first_pid))[0]["time"]
-    job.wait_for(
-        "group 0 to commit 2 steps on its own and stop",
-        lambda: (
-            job.events("paused", group=0, phase="from_step")
-            and len([e for e in job.events("step", group=0, committed=True, participants=1) if e["time"] > failed_at])
-            >= 2
-        ),
-    )
+    job.wait_held_alone(0, since=failed_at, commits=2)
     restarted = job.wait_for(
         "torchrun to restart group 1",
         lambda: (pid := job.worker_pid(1, 0)) != first_pid and pid,
