@@ -14,7 +14,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 RESULTS = BENCH / "results"
-LIGHTNING_FT = [sys.executable, "-m", "lightning_ft.cli.main"]
+LIGHTNING_FT = [sys.executable, "-m", "lightning_ft_cli"]
 
 
 def bench_env(**extra: str) -> dict[str, str]:

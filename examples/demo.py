@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_ft.events import read_events
+from lightning_ft_cli.events import read_events
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,7 +57,7 @@ def main() -> int:
     run.mkdir(parents=True, exist_ok=True)
     event_dir = run / "events"
     command = [
-        sys.executable, "-m", "lightning_ft.cli.main", "launch",
+        sys.executable, "-m", "lightning_ft_cli", "launch",
         "--replica-groups=2", "--max-restarts=2", f"--events-dir={event_dir}",
         "--", "python", str(HERE / "train.py"), "fit", f"--config={HERE / 'configs' / 'demo.yaml'}",
     ]  # fmt: skip

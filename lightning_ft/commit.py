@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
-from lightning_ft import events
 from lightning_ft.telemetry import FTTelemetry
+from lightning_ft_cli import events
 
 log = logging.getLogger(__name__)
 

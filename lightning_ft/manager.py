@@ -49,14 +49,14 @@ from torchft.manager import WorldSizeMode
 from torchft.process_group import ProcessGroup
 from typing_extensions import override
 
-from lightning_ft.addresses import is_loopback, numeric_host
 from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
-from lightning_ft.lighthouse import EmbeddedLighthouse, start_lighthouse
 from lightning_ft.lighthouse_outage import OutageTolerantClient
 from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.local_vote import vote_locally
 from lightning_ft.settings import FTSettings
 from lightning_ft.telemetry import TimedTransport
+from lightning_ft_cli.addresses import is_loopback, numeric_host
+from lightning_ft_cli.lighthouse_server import EmbeddedLighthouse, start_lighthouse
 
 log = logging.getLogger(__name__)
 

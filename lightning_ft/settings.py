@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_ft.addresses import LOOPBACK, interface_address
+from lightning_ft_cli.addresses import LOOPBACK, interface_address
+from lightning_ft_cli.environment import (
+    ENV_HOSTNAME,
+    ENV_INTERFACE,
+    ENV_LIGHTHOUSE,
+    ENV_NUM_REPLICA_GROUPS,
+    ENV_REPLICA_GROUP_ID,
+)
 
 ProcessGroupName = Literal["auto", "gloo", "nccl"]
 TransportName = Literal["http", "pg"]
@@ -22,14 +29,6 @@ TransportName = Literal["http", "pg"]
 PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
 TRANSPORTS: tuple[str, ...] = ("http", "pg")
 WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
-
-ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
-ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
-ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
-# The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user), or the
-# network interface whose address it advertises.
-ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
-ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
 
 
 class FTConfigError(ValueError):

@@ -45,8 +45,8 @@ What fault tolerance did
 ------------------------
 Each group measures its own quorum waits, heals and votes (:mod:`lightning_ft.telemetry`, no cross-group traffic);
 :class:`~lightning_ft.callbacks.FaultToleranceMonitor` logs them as ``ft/`` metrics and shows ``replicas P/N`` in the
-progress bar, and every process writes an event log under ``default_root_dir/ft_events`` (:mod:`lightning_ft.events`)
-that ``lightning-ft report`` draws. See ``docs/observability.md``.
+progress bar, and every process writes an event log under ``default_root_dir/ft_events``
+(:mod:`lightning_ft_cli.events`) that ``lightning-ft report`` draws. See ``docs/observability.md``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ from torch.optim import Optimizer
 from torchft import Manager, ProcessGroupGloo
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
 from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
 from lightning_ft.collectives import CrossGroupCollectives
@@ -95,6 +94,7 @@ from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
 from lightning_ft.telemetry import FTTelemetry
+from lightning_ft_cli import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

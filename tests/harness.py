@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_ft.events import read_events
+from lightning_ft_cli.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "train_worker.py"
@@ -168,7 +168,7 @@ def launch_job(
     command = [
         sys.executable,
         "-m",
-        "lightning_ft.cli.main",
+        "lightning_ft_cli",
         "launch",
         f"--replica-groups={groups}",
         f"--nproc-per-group={nproc_per_group}",

@@ -13,8 +13,8 @@ from harness import REPO, LaunchedJob, assert_bit_identical
 from matrix import write
 from test_fault_tolerance import GATES, start_together
 
-from lightning_ft.cli.chaos import ChaosSchedule
-from lightning_ft.cli.launch import add_arguments, chaos_schedule, run
+from lightning_ft_cli.chaos import ChaosSchedule
+from lightning_ft_cli.launch import add_arguments, chaos_schedule, run
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -50,7 +50,7 @@ def test_bad_chaos_settings_are_refused_before_anything_starts(argv, message, ca
 
 def test_the_command_line_refuses_them_too():
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ft.cli.main", "launch", "--replica-groups=1", "--chaos-every=5", "--", "ls"],
+        [sys.executable, "-m", "lightning_ft_cli", "launch", "--replica-groups=1", "--chaos-every=5", "--", "ls"],
         cwd=REPO,
         capture_output=True,
         text=True,

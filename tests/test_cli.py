@@ -33,7 +33,7 @@ def run(args: list[str], timeout: float = 150, cwd: Path = REPO) -> subprocess.C
 
 
 def lightning_ft(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lightning_ft.cli.main", *args]
+    return [sys.executable, "-m", "lightning_ft_cli", *args]
 
 
 def test_yaml_class_path_trains_one_group_with_an_embedded_lighthouse(tmp_path):
@@ -164,3 +164,28 @@ def test_lighthouse_command_serves_until_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_command_line_tool_imports_neither_lightning_nor_torch_and_its_lighthouse_forms_quorums():
+    """The launcher's start-up is on every job's critical path (docs/benchmarks.md §4): importing the command's
+    modules and starting a lighthouse must not import Lightning or torch. A torchft importing later in the same
+    process must still find the lighthouse's native module, and a real Manager client must get a quorum from it."""
+    script = (
+        "import sys\n"
+        "import lightning_ft_cli.main, lightning_ft_cli.launch, lightning_ft_cli.lighthouse, lightning_ft_cli.report\n"
+        "from lightning_ft_cli.lighthouse_server import start_lighthouse\n"
+        "lighthouse = start_lighthouse(min_replicas=1)\n"
+        "heavy = sorted(name for name in ('torch', 'torchft', 'lightning', 'lightning_ft') if name in sys.modules)\n"
+        "print('HEAVY', heavy, flush=True)\n"
+        "from datetime import timedelta\n"
+        "from torchft.coordination import LighthouseClient, LighthouseServer\n"
+        "assert type(lighthouse.server) is LighthouseServer\n"
+        "client = LighthouseClient(lighthouse.address, connect_timeout=timedelta(seconds=10))\n"
+        "quorum = client.quorum(replica_id='only', timeout=timedelta(seconds=10))\n"
+        "print('QUORUM', quorum.quorum_id, [m.replica_id for m in quorum.participants], flush=True)\n"
+        "lighthouse.shutdown()\n"
+    )
+    result = run([sys.executable, "-c", script], timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HEAVY []" in result.stdout, result.stdout
+    assert "QUORUM 1 ['only']" in result.stdout, result.stdout

@@ -16,8 +16,8 @@ from test_fault_tolerance import GATES, start_together
 from test_observability import PNG_SIGNATURE, ft_rows
 
 from lightning_ft import Failure, FailureInjector, FTConfigError
-from lightning_ft.cli import report
-from lightning_ft.timeline import load_timeline
+from lightning_ft_cli import report
+from lightning_ft_cli.timeline import load_timeline
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

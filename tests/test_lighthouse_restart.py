@@ -162,7 +162,7 @@ class LighthouseProcess:
                 [
                     sys.executable,
                     "-m",
-                    "lightning_ft.cli.main",
+                    "lightning_ft_cli",
                     "lighthouse",
                     f"--bind=127.0.0.1:{self.port}",
                     # The launcher's local values: a dead group is noticed in a second, stragglers waited for 10 s.

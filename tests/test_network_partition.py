@@ -83,7 +83,7 @@ def test_the_test_network_connects_hosts_by_name_partitions_heals_and_leaves_not
 
 def start_lighthouse(network: netns.VirtualNetwork, log: Path) -> subprocess.Popen[bytes]:
     """``lightning-ft lighthouse`` on the lighthouse host; returns once it listens."""
-    argv = [sys.executable, "-m", "lightning_ft.cli.main", "lighthouse",
+    argv = [sys.executable, "-m", "lightning_ft_cli", "lighthouse",
             f"--bind={network['lighthouse'].address}:{LIGHTHOUSE_PORT}", "--min-replicas=1",
             f"--heartbeat-timeout-ms={HEARTBEAT_TIMEOUT_MS}"]  # fmt: skip
     with open(log, "wb") as out:

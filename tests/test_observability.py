@@ -24,11 +24,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FaultToleranceMonitor, FTStrategy
-from lightning_ft.cli import report
-from lightning_ft.cli.launch import status_page_line
-from lightning_ft.events import ENV_EVENTS_DIR, read_events, resolve_directory
 from lightning_ft.telemetry import FTTelemetry, TimedTransport
-from lightning_ft.timeline import NoEventLogError, load_timeline
+from lightning_ft_cli import report
+from lightning_ft_cli.events import ENV_EVENTS_DIR, read_events, resolve_directory
+from lightning_ft_cli.launch import status_page_line
+from lightning_ft_cli.timeline import NoEventLogError, load_timeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -111,7 +111,7 @@ def ft_rows(log_dir: str) -> list[dict[str, float]]:
 
 
 def run_report(run_dir: Path, output: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "lightning_ft.cli.main", "report", str(run_dir), "-o", str(output)]
+    command = [sys.executable, "-m", "lightning_ft_cli", "report", str(run_dir), "-o", str(output)]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO)
 
 
@@ -269,7 +269,7 @@ def test_report_draws_a_png_and_names_the_extra_when_matplotlib_is_missing(tmp_p
 
 
 def report_args(run_dir: Path, output: Path) -> Any:
-    from lightning_ft.cli.main import build_parser
+    from lightning_ft_cli.main import build_parser
 
     return build_parser().parse_args(["report", str(run_dir), "-o", str(output)])
 

@@ -14,8 +14,8 @@ from harness import REPO, WORKER, assert_bit_identical, process_gone
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from lightning_ft.events import read_events
 from lightning_ft.torchx_component import ft_job
+from lightning_ft_cli.events import read_events
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -24,9 +24,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.settings import FTConfigError
+from lightning_ft_cli import events
 
 log = logging.getLogger(__name__)
 OnDivergence = Literal["heal", "stop"]

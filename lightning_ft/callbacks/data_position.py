@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
 from lightning_ft.data_position import (
     LoopPosition,
@@ -22,6 +21,7 @@ from lightning_ft.data_position import (
     resume_fetcher,
     supports_repositioning,
 )
+from lightning_ft_cli import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

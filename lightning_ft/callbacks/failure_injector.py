@@ -37,8 +37,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft import events
-from lightning_ft.settings import ENV_REPLICA_GROUP_ID, FTConfigError
+from lightning_ft.settings import FTConfigError
+from lightning_ft_cli import events
+from lightning_ft_cli.environment import ENV_REPLICA_GROUP_ID
 
 FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
 FAILURE_MOMENTS = ("batch_start", "allreduce")

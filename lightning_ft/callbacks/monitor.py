@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
 from lightning_ft.exactly_once import ExactlyOnceData
+from lightning_ft_cli import events
 
 PREFIX = "ft/"
 

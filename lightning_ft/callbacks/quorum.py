@@ -8,11 +8,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
 from lightning_ft.callbacks.monitor import loss_of
 from lightning_ft.hsdp.shards import holds_shards
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
+from lightning_ft_cli import events
 
 
 class QuorumCallback(Callback):

@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft import events
 from lightning_ft.callbacks._access import ft_manager, ft_telemetry
 from lightning_ft.manager import FTManager
 from lightning_ft.state import (
@@ -20,6 +19,7 @@ from lightning_ft.state import (
     capture_training_state,
     check_training_state,
 )
+from lightning_ft_cli import events
 
 # A child of Lightning's logger, so it prints wherever Lightning's messages do, but on every group: a heal is news
 # about this group, and Lightning's rank-zero messages come from group 0 only.

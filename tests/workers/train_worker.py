@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
-from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck, events
+from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
+from lightning_ft_cli import events
 
 
 class Regressor(pl.LightningModule):

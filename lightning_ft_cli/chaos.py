@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_ft.events import read_events
+from lightning_ft_cli.events import read_events
 
 
 @dataclass(frozen=True)

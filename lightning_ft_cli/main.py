@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_ft.cli import launch, lighthouse, report
+from lightning_ft_cli import launch, lighthouse, report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 
 Three panels, one colour per replica group: participants over committed steps, participants over wall-clock time
 (with the heals and failures marked on both), and the training loss over committed steps. The events are read by
-:mod:`lightning_ft.timeline`; this module only draws. matplotlib is imported when a picture is drawn, not before:
+:mod:`lightning_ft_cli.timeline`; this module only draws. matplotlib is imported when a picture is drawn, not before:
 it is an optional dependency (``pip install 'lightning-ft[report]'``), and the rest of the command line must work
 without it.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_ft.timeline import GroupTimeline, Mark, NoEventLogError, Timeline, load_timeline
+from lightning_ft_cli.timeline import GroupTimeline, Mark, NoEventLogError, Timeline, load_timeline
 
 INSTALL_HINT = "pip install 'lightning-ft[report]'  (or the [bench] extra, or just matplotlib)"
 

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from typing import IO
 from urllib.parse import urlsplit
 
-from lightning_ft.addresses import LOOPBACK, is_loopback, loopback_interface
-from lightning_ft.cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft.events import ENV_EVENTS_DIR
-from lightning_ft.lighthouse import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
-from lightning_ft.settings import (
+from lightning_ft_cli.addresses import LOOPBACK, is_loopback, loopback_interface
+from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
+from lightning_ft_cli.environment import (
     ENV_HOSTNAME,
     ENV_INTERFACE,
     ENV_LIGHTHOUSE,
     ENV_NUM_REPLICA_GROUPS,
     ENV_REPLICA_GROUP_ID,
 )
+from lightning_ft_cli.events import ENV_EVENTS_DIR
+from lightning_ft_cli.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
 
 STOP_GRACE_SECONDS = 10.0
 

@@ -1,1 +1,0 @@
-"""The ``lightning-ft`` command: ``lighthouse`` (torchft's lighthouse in the foreground) and ``launch``."""

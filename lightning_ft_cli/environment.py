@@ -1,0 +1,16 @@
+"""The environment variables through which a launcher configures the processes of a replica group.
+
+``lightning-ft launch`` (and the torchx component, SLURM and Kubernetes recipes of ``docs/operations.md``) set them;
+:mod:`lightning_ft.settings` reads them when ``FTStrategy`` is built. Their names live here, beside the launcher,
+so that both sides use one spelling and the launcher does not import Lightning to learn it.
+"""
+
+from __future__ import annotations
+
+ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
+ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+# The address a group advertises to its peers (set by `lightning-ft launch` for a local job, or by the user), or the
+# network interface whose address it advertises.
+ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
+ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
