@@ -81,6 +81,39 @@ def kill_one(root: Path, config: str, rng: random.Random) -> dict[str, Any] | No
     return None
 
 
+def leftover_workers(root: Path) -> list[int]:
+    """PIDs of this run's training processes that are still alive: ``goodput_worker.py`` with this run's ``--root``."""
+    marker = f"--root={root}"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if any(arg.endswith("goodput_worker.py") for arg in argv) and marker in argv:
+                pids.append(int(entry.name))
+    return pids
+
+
+def kill_leftover_workers(root: Path, timeout: float = 10.0) -> None:
+    """SIGKILL this run's workers that outlived it, and wait until they are gone.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session does not reach them. A worker
+    that did not act on torchrun's SIGTERM in time (one stuck in a Gloo collective with a dead peer) lived on as an
+    orphan until its collective timed out, up to 30 minutes, and took CPU from the runs after it: ``ps`` after a
+    ``make bench`` found three at 3 % CPU each, and the next runs' step rates fell by several per cent.
+    """
+    deadline = time.monotonic() + timeout
+    while pids := leftover_workers(root):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers {pids} of {root} survived SIGKILL for {timeout:.0f}s")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def run_once(config: str, fail: bool, horizon: float, kill_every: float, seed: int, root: Path) -> dict[str, Any]:
     root.mkdir(parents=True)
     rng = random.Random(seed)
@@ -110,6 +143,7 @@ def run_once(config: str, fail: bool, horizon: float, kill_every: float, seed: i
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+        kill_leftover_workers(root)
         log.close()
     result = analyse(config, root, t0, t0 + horizon, kills)
     label = "with failures" if fail else "no failures"

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lightning_ft_cli.events import read_events
+from lightning_ft_cli.processes import parent_pid
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,6 @@ class ChaosSchedule:
             raise ValueError(f"--chaos-at-steps={list(self.at_steps)}: must be increasing positive steps")
         if self.count < 1:
             raise ValueError(f"--chaos-count={self.count}: must be at least 1")
-
-
-def _parent_pid(pid: int) -> int | None:
-    """The parent of a live process; ``None`` once it has exited (a zombie counts as exited)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may contain spaces; state and parent PID follow it.
-    state, parent = stat.rsplit(")", 1)[1].split()[:2]
-    return None if state == "Z" else int(parent)
 
 
 @dataclass
@@ -110,7 +99,7 @@ class ChaosMonkey:
             if ranks and all(
                 r["pid"] in committed_pids
                 and r["pid"] not in self._killed_pids
-                and _parent_pid(r["pid"]) == self.agent_pids[group]
+                and parent_pid(r["pid"]) == self.agent_pids[group]
                 for r in ranks.values()
             ):
                 up.append(group)
@@ -145,7 +134,7 @@ class ChaosMonkey:
         killed = []
         for record in self._workers()[group].values():
             pid = record["pid"]
-            if _parent_pid(pid) != self.agent_pids[group]:  # not our worker (any more): never signal it
+            if parent_pid(pid) != self.agent_pids[group]:  # not our worker (any more): never signal it
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)

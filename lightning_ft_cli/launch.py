@@ -9,6 +9,7 @@ everything it started when asked to. Across machines, use torchrun (or a schedul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -32,6 +33,7 @@ from lightning_ft_cli.environment import (
 )
 from lightning_ft_cli.events import ENV_EVENTS_DIR
 from lightning_ft_cli.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
+from lightning_ft_cli.processes import children_of
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -190,7 +192,13 @@ def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> Non
 
 
 def _stop_groups(groups: list[ReplicaGroup]) -> None:
-    """SIGTERM each torchrun job we started (its agent stops its workers), then SIGKILL what is left of them."""
+    """SIGTERM each torchrun job we started (its agent stops its workers), then SIGKILL what is left of them.
+
+    A worker stuck where SIGTERM cannot stop it (inside a collective with a dead peer, say) keeps its agent waiting
+    for its own 30-s grace. After ours, the agent's session gets SIGKILL, and so does each worker's: torchrun starts
+    every worker in a session of its own, which the agent's does not include, and a worker left behind would live on
+    as an orphan.
+    """
     for group in groups:
         if group.process.poll() is None:
             group.process.send_signal(signal.SIGTERM)
@@ -199,9 +207,21 @@ def _stop_groups(groups: list[ReplicaGroup]) -> None:
         try:
             group.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            workers = children_of(group.process.pid)  # before the agent dies: then they would be init's children
             # The group runs in the session we created for it, whose id is the torchrun PID we started.
             os.killpg(group.process.pid, signal.SIGKILL)
+            for worker in workers:
+                _kill_session(worker)
             group.process.wait()
+
+
+def _kill_session(leader: int) -> None:
+    """SIGKILL the session that ``leader`` leads (a worker and its data-loader processes), or ``leader`` alone."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(leader, signal.SIGKILL)
 
 
 def _say(message: str) -> None:

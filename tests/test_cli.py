@@ -117,10 +117,14 @@ def test_launch_refuses_bad_group_ids(group_ids, message):
     assert message in result.stderr
 
 
-def test_launch_stops_everything_it_started_on_sigterm(tmp_path):
+@pytest.mark.parametrize("worker_ignores_sigterm", [False, True], ids=["worker-stops", "worker-ignores-sigterm"])
+def test_launch_stops_everything_it_started_on_sigterm(tmp_path, worker_ignores_sigterm):
+    """With a worker that ignores SIGTERM (as one stuck in a collective does), torchrun's agent outlasts the
+    launcher's grace; the launcher then kills the agent's session and the worker's, which is a session of its own."""
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if worker_ignores_sigterm else ""
     script = (
-        f"import os, time; open(f'{tmp_path}/pid.' + os.environ['REPLICA_GROUP_ID'], 'w').write(str(os.getpid()));"
-        " time.sleep(600)"
+        f"import os, signal, time; {ignore}"
+        f"open(f'{tmp_path}/pid.' + os.environ['REPLICA_GROUP_ID'], 'w').write(str(os.getpid())); time.sleep(600)"
     )
     launcher = subprocess.Popen(lightning_ft("launch", "--replica-groups=2", "--", "python", "-c", script),
                                 env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -147,6 +151,15 @@ def test_launch_stops_everything_it_started_on_sigterm(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
+        # Whatever the outcome, no worker of this test outlives it: by the PIDs they wrote, checked to be ours.
+        for pid_file in tmp_path.glob("pid.*"):
+            pid = int(pid_file.read_text() or 0)
+            try:
+                ours = pid > 0 and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+            except OSError:  # gone already
+                continue
+            if ours and not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_lighthouse_command_serves_until_sigterm():
