@@ -62,6 +62,7 @@ def test_a_hot_spare_takes_a_dead_active_groups_place_at_the_same_effective_batc
         (job.root / f"pause.group{group}").touch()
     restarted = job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, 0, attempt + 1))
     job.wait_for(f"group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    resumed_at = time.time()
     for group in (spare, survivor):
         (job.root / f"pause.group{group}").unlink()
     assert job.wait_exit() == 0, job.tail()
@@ -69,8 +70,11 @@ def test_a_hot_spare_takes_a_dead_active_groups_place_at_the_same_effective_batc
     # The effective batch never changed: every step any group committed had exactly 2 contributing groups.
     commits = [e for e in job.events("step", committed=True)]
     assert commits and {e["participants"] for e in commits} == {2}, sorted({e["participants"] for e in commits})
-    # The spare took over without a heal: its only heal is init_sync's at the start.
-    assert [e["step"] for e in job.events("healed", group=spare)] in ([], [0]), job.events("healed", group=spare)
+    # The spare took over without a heal: until the pause ended, its only heal is init_sync's at the start. (After
+    # it, the two released groups race to the next quorum; one that misses it falls a step behind and heals, as any
+    # late group does, so later heals say nothing about the takeover.)
+    takeover_heals = [e["step"] for e in job.events("healed", group=spare) if e["time"] < resumed_at]
+    assert takeover_heals in ([], [0]), job.events("healed", group=spare)
     # The restarted victim healed from a live group and became the spare.
     heals = job.events("healed", group=victim, pid=restarted)
     assert heals and heals[0]["step"] > 0, job.tail()
