@@ -34,6 +34,8 @@ from typing import Dict, List, Optional
 
 from torchx import specs
 
+from lightning_ft_cli.torchrun import group_variables, torchrun_arguments
+
 LIGHTHOUSE_ROLE = "lighthouse"
 
 
@@ -104,23 +106,8 @@ def ft_job(
                 name=f"group{group}",
                 image=image,
                 entrypoint="python",
-                args=[
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    "--nnodes=1",
-                    f"--nproc-per-node={nproc_per_group}",
-                    f"--max-restarts={max_restarts}",
-                    script,
-                    *script_args,
-                ],
-                env={
-                    **(env or {}),
-                    "REPLICA_GROUP_ID": str(group),
-                    "NUM_REPLICA_GROUPS": str(replica_groups),
-                    "TORCHFT_LIGHTHOUSE": url,
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                },
+                args=[*torchrun_arguments(nproc_per_group, max_restarts), script, *script_args],
+                env={**(env or {}), **group_variables(group, replica_groups, url)},
                 resource=specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB),
             )
         )

@@ -24,16 +24,11 @@ from urllib.parse import urlsplit
 
 from lightning_ft_cli.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft_cli.environment import (
-    ENV_HOSTNAME,
-    ENV_INTERFACE,
-    ENV_LIGHTHOUSE,
-    ENV_NUM_REPLICA_GROUPS,
-    ENV_REPLICA_GROUP_ID,
-)
+from lightning_ft_cli.environment import ENV_HOSTNAME, ENV_INTERFACE
 from lightning_ft_cli.events import ENV_EVENTS_DIR
 from lightning_ft_cli.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
 from lightning_ft_cli.processes import children_of
+from lightning_ft_cli.torchrun import group_variables, torchrun_arguments
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -120,26 +115,12 @@ def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) ->
         cmd = [sys.executable, *cmd[1:]]
     elif cmd[0].endswith(".py"):
         cmd = [sys.executable, *cmd]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc_per_group}",
-        f"--max-restarts={max_restarts}",
-        "--no-python",
-        *cmd,
-    ]
+    return [sys.executable, *torchrun_arguments(nproc_per_group, max_restarts), "--no-python", *cmd]
 
 
 def group_environment(group_id: int, num_groups: int, lighthouse: str, events_dir: str | None) -> dict[str, str]:
     env = dict(os.environ)
-    env[ENV_REPLICA_GROUP_ID] = str(group_id)
-    env[ENV_NUM_REPLICA_GROUPS] = str(num_groups)
-    env[ENV_LIGHTHOUSE] = lighthouse
-    # Restarted gloo workers cannot connect through torchrun's shared rendezvous store (pytorch issue 135712).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(group_variables(group_id, num_groups, lighthouse))
     # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
     env.setdefault("OMP_NUM_THREADS", "1")
     # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
