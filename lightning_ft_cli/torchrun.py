@@ -13,8 +13,9 @@ from lightning_ft_cli.environment import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS,
 def torchrun_arguments(nproc_per_group: int, max_restarts: int) -> list[str]:
     """``python``'s arguments up to the worker's command: a one-host torchrun job that restarts failed workers.
 
-    ``--standalone`` gives every restart attempt a fresh rendezvous on a free port: a group spans one host, and a
-    group that spans several is a torchrun rendezvous of its own (``docs/operations.md``).
+    ``--standalone`` runs the group's rendezvous on this host, on a free port, so groups on one machine never share
+    one: a group spans one host here, and a group that spans several is a torchrun rendezvous of its own
+    (``docs/operations.md``).
     """
     return [
         "-m",
