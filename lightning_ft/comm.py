@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import Manager
 
+from lightning_ft.left_behind import LeftBehindWatch
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,9 @@ class FTCommState:
     # Whether a hung cross-group collective needs the Manager's timer to fail it (``Manager.wrap_future``); not with
     # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
     needs_manager_timeout: bool = True
+    # Gives up an allreduce that the other groups have left behind (a Gloo send that never completes after a peer
+    # died); ``None`` leaves every allreduce to the process group's timeout. See :mod:`lightning_ft.left_behind`.
+    left_behind: LeftBehindWatch | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -113,7 +118,8 @@ def cross_group_average(
     which also checks the result for inf and NaN). Errors go to
     the Manager (``report_error``), which then votes against the step. A hung collective fails through the
     process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
-    Manager's timer on top (``state.needs_manager_timeout``).
+    Manager's timer on top (``state.needs_manager_timeout``). An allreduce that the other groups have left behind
+    is given up earlier, when ``state.left_behind`` watches (:mod:`lightning_ft.left_behind`).
     """
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
@@ -136,6 +142,8 @@ def cross_group_average(
         state.average_in_place(buffer, divisor)
         return buffer
 
+    if state.left_behind is not None:
+        return state.left_behind.track(work.get_future(), buffer, average)
     averaged = work.get_future().then(average)
     if state.needs_manager_timeout:
         return manager.wrap_future(averaged, default=buffer)

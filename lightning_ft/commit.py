@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
+from lightning_ft.left_behind import LeftBehindWatch, set_aside_process_group
 from lightning_ft.telemetry import FTTelemetry
 from lightning_ft_cli import events
 
@@ -53,6 +54,8 @@ class StepProtocol:
         self.quorums_opened = 0
         self.sync_in_flight = False
         self.non_finite_skips = 0
+        # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.left_behind).
+        self.left_behind: LeftBehindWatch | None = None
 
     @property
     def quorum_open(self) -> bool:
@@ -125,10 +128,16 @@ class StepProtocol:
         Safe because the process group is rebuilt before it is used again: a step that does not commit makes the
         lighthouse hand out a new quorum id, and a new quorum id reconfigures the process group (until then torchft's
         ``allreduce`` is a no-op, the step having errored). A step rejected for a non-finite gradient leaves the
-        process group alone: every collective of it succeeded.
+        process group alone: every collective of it succeeded. A process group with an allreduce that was given up
+        (:mod:`lightning_ft.left_behind`) is set aside instead: Gloo's abort would block until that allreduce ends.
         """
         error = self.manager.errored()
         if error is None or isinstance(error.original_exception, NonFiniteGradientError):
+            return
+        if self.left_behind is not None and self.left_behind.take_left_behind():
+            # An allreduce of this group is still pending in Gloo, which aborting would wait for.
+            if set_aside_process_group(self.manager):
+                events.emit("process_group_set_aside", step=self.manager.current_step())
             return
         abort = getattr(getattr(self.manager, "_pg", None), "abort", None)  # torchft's reconfigurable ProcessGroup
         if abort is None:

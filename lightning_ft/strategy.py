@@ -88,6 +88,7 @@ from lightning_ft.exactly_once import ExactlyOnceData, StepPlacement, exactly_on
 from lightning_ft.hsdp import checkpoint as sharded_checkpoint
 from lightning_ft.hsdp.config import DataParallelSettings, resolve_data_parallel
 from lightning_ft.hsdp.sharding import fsdp_modules, group_mesh, is_sharded, shard_module
+from lightning_ft.left_behind import LeftBehindWatch
 from lightning_ft.manager import ManagerHandle, build_manager
 from lightning_ft.position_sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
@@ -686,12 +687,19 @@ class FTStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
+        gloo = isinstance(self.manager._pg, ProcessGroupGloo)
+        # With an external lighthouse there may be peers that go on without this group (lightning_ft.left_behind);
+        # the embedded one serves a single group.
+        lighthouse = self.settings.lighthouse
+        left_behind = LeftBehindWatch(self.manager, lighthouse) if gloo and lighthouse else None
+        self.step_protocol.left_behind = left_behind
         self._comm_state = FTCommState(
             manager=self.manager,
             group=None,
             group_world_size=self.world_size,
             before_allreduce=self.step_protocol.require_quorum,
-            needs_manager_timeout=not isinstance(self.manager._pg, ProcessGroupGloo),
+            needs_manager_timeout=not gloo,
+            left_behind=left_behind,
         )
         self.model.register_comm_hook(self._comm_state, ft_allreduce_hook)
 
@@ -868,6 +876,8 @@ class FTStrategy(DDPStrategy):
                 vars(target).pop(name, None)
         self._patches.clear()
         self._collectives = None
+        if self._comm_state is not None and self._comm_state.left_behind is not None:
+            self._comm_state.left_behind.shutdown()
         self._comm_state = None
         self._exactly_once = None
         if self._handle is not None:

@@ -1,5 +1,5 @@
-"""Rehearse failures on your own job: one replica is killed, raises, hangs, slows down or produces NaN gradients at a
-chosen step.
+"""Rehearse failures on your own job: one replica is killed, raises, hangs, slows down, produces NaN gradients or is
+left behind in a collective at a chosen step.
 
 Fault tolerance that is never exercised is fault tolerance nobody knows works. This callback makes a failure happen
 exactly where the user asks, inside the real training loop, so that a job can be rehearsed before machines really
@@ -28,12 +28,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -41,7 +44,7 @@ from lightning_ft.settings import FTConfigError
 from lightning_ft_cli import events
 from lightning_ft_cli.environment import ENV_REPLICA_GROUP_ID
 
-FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
+FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "stuck")
 FAILURE_MOMENTS = ("batch_start", "allreduce")
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -60,13 +63,16 @@ class Failure:
             responding; it continues after ``seconds``, or never if ``seconds`` is ``None``), ``"slow"`` (sleep
             ``seconds`` before each of ``steps`` batches: a straggler), ``"nan"`` (this replica's gradients of that
             step are NaN before they are averaged across groups) or ``"corrupt"`` (one weight of this replica
-            changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``).
+            changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``) or ``"stuck"``
+            (``at="allreduce"`` only: the step's allreduce runs, so the peers complete it, but here it never
+            completes, until the collective timeout fails it; the process keeps heartbeating. This is what a
+            survivor sees when Gloo loses a send after a peer died mid-allreduce; see ``lightning_ft.left_behind``).
         step: ``trainer.global_step`` at which it fires.
         group: Replica group id; ``None`` for every group.
         rank: Rank inside the group.
         at: ``"batch_start"`` (at the start of the batch, after the FT callbacks opened the step's quorum) or
-            ``"allreduce"`` (``kill``/``hang`` only: inside the step's first cross-group allreduce, so that the peers
-            are left waiting in the same collective).
+            ``"allreduce"`` (``kill``/``hang``/``stuck`` only: inside the step's first cross-group allreduce, so that
+            the peers are left waiting in the same collective).
         seconds: ``hang``: how long the process stays stopped (``None``: until someone sends SIGCONT).
             ``slow``: the delay before each batch.
         steps: ``slow`` only: how many consecutive steps are slowed down.
@@ -85,8 +91,12 @@ class Failure:
             raise FTConfigError(f"Failure(kind={self.kind!r}): must be one of {', '.join(FAILURE_KINDS)}.")
         if self.at not in FAILURE_MOMENTS:
             raise FTConfigError(f"Failure(at={self.at!r}): must be one of {', '.join(FAILURE_MOMENTS)}.")
-        if self.at == "allreduce" and self.kind not in ("kill", "hang"):
-            raise FTConfigError(f"Failure(kind={self.kind!r}, at='allreduce'): only kill and hang can fire there.")
+        if self.at == "allreduce" and self.kind not in ("kill", "hang", "stuck"):
+            raise FTConfigError(
+                f"Failure(kind={self.kind!r}, at='allreduce'): only kill, hang and stuck can fire there."
+            )
+        if self.kind == "stuck" and self.at != "allreduce":
+            raise FTConfigError("Failure(kind='stuck'): needs at='allreduce', the collective it gets stuck in.")
         if self.step < 0 or self.rank < 0 or (self.group is not None and self.group < 0):
             raise FTConfigError(f"Failure {self}: step, group and rank must be >= 0.")
         if self.steps < 1:
@@ -161,9 +171,12 @@ class FailureInjector(Callback):
         allreduce = process_group.allreduce
 
         def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:
+            stuck = False
             for failure in self._due(trainer, "allreduce"):
                 self._fire(failure, trainer, trainer.lightning_module)
-            return allreduce(*args, **kwargs)
+                stuck = stuck or failure.kind == "stuck"
+            work = allreduce(*args, **kwargs)
+            return _CompletionNeverArrives(work, process_group._timeout) if stuck else work
 
         process_group.allreduce = allreduce_with_failures
 
@@ -181,6 +194,8 @@ class FailureInjector(Callback):
             raise InjectedFailure(f"lightning-ft FailureInjector: injected exception at step {trainer.global_step}")
         elif failure.kind == "hang":
             _stop_self(failure.seconds)
+        elif failure.kind == "stuck":
+            pass  # the allreduce wrapper withholds the completion (_CompletionNeverArrives)
         elif failure.kind == "slow":
             assert failure.seconds is not None
             time.sleep(failure.seconds)
@@ -194,6 +209,31 @@ class FailureInjector(Callback):
                 for p in pl_module.parameters()
                 if p.requires_grad
             ]
+
+
+class _CompletionNeverArrives(dist.Work):
+    """A cross-group allreduce that ran (the peers get this replica's contribution) but whose completion never
+    arrives here: its future fails after the process group's timeout, as Gloo's stuck send does."""
+
+    def __init__(self, work: dist.Work, timeout: timedelta) -> None:
+        super().__init__()
+        self._work = work  # the real collective, kept alive until it ends
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._timer = threading.Timer(timeout.total_seconds(), self._time_out, args=(timeout,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _time_out(self, timeout: timedelta) -> None:
+        self._future.set_exception(
+            RuntimeError(f"lightning-ft FailureInjector: stuck allreduce timed out after {timeout.total_seconds()}s")
+        )
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
 
 
 def _stop_self(seconds: float | None) -> None:

@@ -1,0 +1,260 @@
+"""Giving up a cross-group collective that the rest of the job has left behind.
+
+The failure this answers (measured, ``docs/benchmarks.md`` section 2): when a replica group dies in the middle of a
+step's gradient allreduce, one survivor's Gloo allreduce may complete while another survivor's waits on a send that
+never completes. Gloo fails that send only after the collective timeout (``FTStrategy(timeout=...)``, 60 s by
+default). Meanwhile the first survivor commits the step and the lighthouse forms the next quorum without the stuck
+one, which keeps heartbeating. The stuck group loses up to a whole timeout of work; and when the others reach
+``max_steps`` within it, the stuck group comes back to an empty job and trains its remaining steps alone.
+
+torchft's remedy for a hung collective, aborting the process group, does not work with Gloo: ``abort()`` called from
+another thread while an allreduce is pending blocks until that allreduce ends by itself (measured), and so would
+the reconfiguration at the next quorum, which aborts the old process group first.
+
+What this module does instead, for the DDP hook's allreduces over Gloo (:func:`lightning_ft.comm.cross_group_average`):
+
+* Each allreduce hands DDP a future of its own (:meth:`LeftBehindWatch.track`), completed by the allreduce as usual.
+* While one has been pending for longer than ``check_after`` seconds, a watchdog thread reads the lighthouse's status
+  page once per ``interval``. If the lighthouse's current quorum id is newer than the quorum of the pending
+  allreduce, the other groups have formed a quorum without this one. The watchdog gives the allreduce up: it
+  reports :class:`CollectiveLeftBehindError` to the Manager (the step will not commit), then completes DDP's future
+  with the bucket as it is, so the training thread reaches the commit vote.
+* At the vote, :func:`set_aside_process_group` replaces torchft's process group with nothing instead of aborting
+  it; the next quorum builds a new one. The old one is held by a daemon thread until its pending operation ends by
+  its own timeout, so that its destructor, which joins Gloo's blocked thread, never runs on the training thread.
+* The late completion of a given-up allreduce is ignored: its error belongs to a step that is already lost.
+
+Why giving up is safe: a newer quorum forms only from the requests of groups that have finished (or failed) the
+step's collective, so no peer still needs this group's part of it; and a group that does not commit a step heals
+from a live peer at the next quorum, so no committed step is lost. A wrong guess costs one heal, never a wrong
+weight.
+
+Why the status page: torchft 0.2.0's lighthouse has no RPC that reads the quorum without joining it (a heartbeat
+registers a replica, a quorum request joins one). The status page is what the lighthouse's own dashboard polls. If
+it cannot be read, or has no quorum id in the form expected, the watchdog logs once and the Gloo timeout bounds the
+stall as before. Steady-state training never reads it: a step's allreduce takes milliseconds, not ``check_after``.
+
+Not covered: FSDP2's hook and the semi-synchronous syncs wait on ``Manager.allreduce`` on the training thread, and
+NCCL's hung collectives are aborted by torchft's own timer (``Manager.wrap_future``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchft import Manager
+
+from lightning_ft_cli import events
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+# An allreduce pending this long is either stuck or moving a lot of data; only then is the lighthouse asked.
+CHECK_AFTER_S = 1.0
+# How often the status page is read while an allreduce stays pending.
+INTERVAL_S = 0.5
+STATUS_TIMEOUT_S = 2.0
+
+_QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
+
+
+class CollectiveLeftBehindError(RuntimeError):
+    """The other replica groups formed a newer quorum while this group's cross-group allreduce was still pending."""
+
+
+class StatusPageUnreadable(RuntimeError):
+    """The lighthouse's status page could not be fetched, or it has no current quorum id."""
+
+
+def lighthouse_quorum_id(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> int:
+    """The lighthouse's current quorum id, from its status page (``GET /status``, torchft 0.2.0's format)."""
+    url = lighthouse.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            page = response.read(1 << 20).decode("utf-8", errors="replace")
+    except OSError as error:
+        raise StatusPageUnreadable(f"cannot read {url}: {error}") from error
+    match = _QUORUM_ID.search(page)
+    if match is None:
+        raise StatusPageUnreadable(f"{url} has no 'Current quorum_id: N' line")
+    return int(match.group(1))
+
+
+@dataclass
+class _Pending:
+    """One allreduce in flight: DDP's future, the bucket it averages, and the quorum it belongs to."""
+
+    result: torch.futures.Future[torch.Tensor]
+    buffer: torch.Tensor
+    quorum_id: int
+    started: float
+    given_up: bool = False
+
+
+class LeftBehindWatch:
+    """Hands DDP a future per cross-group allreduce, and gives up the ones the rest of the job has left behind.
+
+    Args:
+        manager: The group's torchft Manager (its current quorum id, and where errors are reported).
+        lighthouse: The lighthouse URL every group was given.
+        read_quorum_id: Reads the lighthouse's current quorum id (replaceable in tests).
+        clock: Time source (replaceable in tests).
+        check_after: Seconds an allreduce may be pending before the lighthouse is asked.
+        interval: Seconds between two reads of the lighthouse while one stays pending.
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        lighthouse: str,
+        read_quorum_id: Callable[[str], int] = lighthouse_quorum_id,
+        clock: Callable[[], float] = time.monotonic,
+        check_after: float = CHECK_AFTER_S,
+        interval: float = INTERVAL_S,
+    ) -> None:
+        self._manager = manager
+        self._lighthouse = lighthouse
+        self._read_quorum_id = read_quorum_id
+        self._clock = clock
+        self._check_after = check_after
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_key = 0
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned_unreadable = False
+        self.process_group_left_behind = False
+
+    def track(
+        self,
+        done: torch.futures.Future[Any],
+        buffer: torch.Tensor,
+        on_done: Callable[[torch.futures.Future[Any]], torch.Tensor],
+    ) -> torch.futures.Future[torch.Tensor]:
+        """DDP's future for the allreduce behind ``done``: ``on_done(done)`` once it completes, or ``buffer`` as it
+        is if the watchdog gives the allreduce up first."""
+        pending = _Pending(torch.futures.Future(), buffer, _quorum_id(self._manager), self._clock())
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+            self._pending[key] = pending
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="lightning_ft_left_behind", daemon=True)
+                self._thread.start()
+
+        def settle(finished: torch.futures.Future[Any]) -> None:
+            with self._lock:
+                if pending.given_up:
+                    return
+                del self._pending[key]
+            pending.result.set_result(on_done(finished))
+
+        done.add_done_callback(settle)
+        return pending.result
+
+    def check(self) -> None:
+        """One look at the pending allreduces (the watchdog's loop body; callable directly in tests)."""
+        with self._lock:
+            overdue = [p for p in self._pending.values() if self._clock() - p.started >= self._check_after]
+        if not overdue:
+            return
+        try:
+            current = self._read_quorum_id(self._lighthouse)
+        except StatusPageUnreadable as error:
+            if not self._warned_unreadable:
+                self._warned_unreadable = True
+                log.warning(
+                    "lightning-ft: a cross-group allreduce has been pending for over %.0fs and the lighthouse's status "
+                    "page cannot tell whether the other groups went on without this one (%s); waiting for the "
+                    "collective timeout (FTStrategy(timeout=...)) instead.",
+                    self._check_after,
+                    error,
+                )
+            return
+        self._give_up_older_than(current)
+
+    def _give_up_older_than(self, current: int) -> None:
+        with self._lock:
+            left = [p for p in self._pending.values() if p.quorum_id < current]
+            for pending in left:
+                pending.given_up = True
+            self._pending = {key: p for key, p in self._pending.items() if not p.given_up}
+            if left:
+                self.process_group_left_behind = True
+        if not left:
+            return
+        waited = self._clock() - min(p.started for p in left)
+        error = CollectiveLeftBehindError(
+            f"lightning-ft: the other replica groups formed quorum {current} while this group's cross-group "
+            f"allreduce of quorum {left[0].quorum_id} was still pending after {waited:.1f}s; giving it up. This step "
+            f"will not commit; the group heals from a live peer at the next quorum."
+        )
+        if self._manager.errored() is None:
+            log.warning("%s", error)
+        # Before the futures complete: the training thread goes on to the commit vote as soon as they do.
+        self._manager.report_error(error)
+        events.emit(
+            "collective_left_behind",
+            step=self._manager.current_step(),
+            quorum_id=left[0].quorum_id,
+            newer_quorum_id=current,
+            waited_s=round(waited, 3),
+        )
+        for pending in left:
+            pending.result.set_result(pending.buffer)
+
+    def take_left_behind(self) -> bool:
+        """Whether an allreduce was given up since the last call: its process group must then be set aside, not
+        aborted (:func:`set_aside_process_group`)."""
+        with self._lock:
+            left, self.process_group_left_behind = self.process_group_left_behind, False
+        return left
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self.check()
+            except Exception as error:  # the watchdog must never take the job down; Gloo's timeout still holds
+                log.warning("lightning-ft: the left-behind watchdog failed: %r", error)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+
+
+def _quorum_id(manager: Manager) -> int:
+    """The quorum id of the Manager's current quorum (torchft 0.2.0 keeps it private; -1 before the first)."""
+    quorum_id = getattr(manager, "_quorum_id", None)
+    return -1 if quorum_id is None else int(quorum_id)
+
+
+def set_aside_process_group(manager: Manager) -> bool:
+    """Detach torchft's reconfigurable process group from its current Gloo group without aborting it.
+
+    The next quorum then builds a new one (``ProcessGroupWrapper.configure`` aborts only a group it still holds).
+    The old group still has an operation pending; a daemon thread holds it until that operation ends by its own
+    timeout, so that its destructor (which joins Gloo's threads) runs there, or never if the process exits first.
+    Returns whether there was a group to set aside.
+    """
+    wrapper = getattr(manager, "_pg", None)
+    old = getattr(wrapper, "_pg", None)
+    if old is None:
+        return False
+    wrapper._pg = None  # type: ignore[union-attr]
+    timeout = getattr(wrapper, "_timeout", None)
+    seconds = timeout.total_seconds() if timeout is not None else 60.0
+    threading.Thread(target=_hold, args=(old, seconds), name="lightning_ft_set_aside_pg", daemon=True).start()
+    return True
+
+
+def _hold(process_group: Any, seconds: float) -> None:
+    """Keep ``process_group`` alive for its pending operation's timeout plus a margin, then let it go."""
+    time.sleep(seconds + 5.0)
+    del process_group
