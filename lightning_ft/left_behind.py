@@ -40,6 +40,7 @@ NCCL's hung collectives are aborted by torchft's own timer (``Manager.wrap_futur
 
 from __future__ import annotations
 
+import http.client
 import logging
 import re
 import threading
@@ -79,7 +80,7 @@ def lighthouse_quorum_id(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> 
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             page = response.read(1 << 20).decode("utf-8", errors="replace")
-    except OSError as error:
+    except (OSError, ValueError, http.client.HTTPException) as error:
         raise StatusPageUnreadable(f"cannot read {url}: {error}") from error
     match = _QUORUM_ID.search(page)
     if match is None:

@@ -8,6 +8,9 @@ allreduce, given up and healed) is in tests/test_failure_injection.py.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +26,7 @@ from lightning_ft.left_behind import (
 from lightning_ft_cli.lighthouse_server import start_lighthouse
 
 LIGHTHOUSE = "http://lighthouse.invalid:1"
+REPO = Path(__file__).resolve().parents[1]
 
 
 class FakeManager:
@@ -187,3 +191,36 @@ def test_setting_aside_detaches_the_gloo_group_without_aborting_it():
     assert set_aside_process_group(manager)  # type: ignore[arg-type]
     assert manager._pg._pg is None and old is not None
     assert not set_aside_process_group(manager)  # type: ignore[arg-type]
+
+
+def test_a_lighthouse_address_without_a_scheme_is_unreadable_not_a_crash():
+    with pytest.raises(StatusPageUnreadable, match="cannot read"):
+        lighthouse_quorum_id("127.0.0.1:1")
+
+
+def test_a_real_pending_gloo_allreduce_is_given_up_set_aside_and_the_process_exits_without_waiting_for_it(tmp_path):
+    """Two processes on a real torchft Gloo process group; one starts an allreduce the other never joins, so it stays
+    pending in Gloo for real (600-s timeout). The watch gives it up, the process group is set aside without an
+    abort, a new one is configured and used, and the process exits: none of it waits for the pending allreduce (the
+    test's 120-s deadline would expire first)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{store.port}"
+    worker = str(REPO / "tests" / "workers" / "pending_gloo_worker.py")
+    silent = subprocess.Popen(
+        [sys.executable, worker, "silent", address], stdin=subprocess.PIPE, cwd=REPO, stderr=subprocess.PIPE
+    )
+    try:
+        stuck = subprocess.run(
+            [sys.executable, worker, "stuck", address], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert stuck.returncode == 0 and "DONE" in stuck.stdout, stuck.stderr[-3000:]
+        assert silent.poll() is None, "the silent rank must still be up, keeping the allreduce pending"
+    finally:
+        silent.stdin.close()  # type: ignore[union-attr]
+        try:
+            silent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            silent.kill()
+            silent.wait(timeout=10)
