@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from workers.pending_gloo_worker import FakeManager
 
 from lightning_ft.left_behind import (
     CollectiveLeftBehindError,
@@ -27,23 +28,6 @@ from lightning_ft_cli.lighthouse_server import start_lighthouse
 
 LIGHTHOUSE = "http://lighthouse.invalid:1"
 REPO = Path(__file__).resolve().parents[1]
-
-
-class FakeManager:
-    """The few Manager calls the watch makes: its quorum id, the step, and error reporting."""
-
-    def __init__(self, quorum_id: int = 3) -> None:
-        self._quorum_id = quorum_id
-        self.reported: list[Exception] = []
-
-    def errored(self) -> Exception | None:
-        return self.reported[0] if self.reported else None
-
-    def report_error(self, error: Exception) -> None:
-        self.reported.append(error)
-
-    def current_step(self) -> int:
-        return 7
 
 
 class Clock:

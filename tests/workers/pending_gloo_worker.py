@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torchft import ProcessGroupGloo
@@ -20,12 +21,12 @@ from lightning_ft.left_behind import CollectiveLeftBehindError, LeftBehindWatch,
 GLOO_TIMEOUT = timedelta(seconds=600)
 
 
-class Manager:
-    """What the watch and set_aside_process_group use of torchft's Manager."""
+class FakeManager:
+    """What the watch and set_aside_process_group use of torchft's Manager (also the unit tests' fake)."""
 
-    def __init__(self, pg: ProcessGroupGloo) -> None:
+    def __init__(self, quorum_id: int = 1, pg: Any = None) -> None:
         self._pg = pg
-        self._quorum_id = 1
+        self._quorum_id = quorum_id
         self.reported: list[Exception] = []
 
     def errored(self) -> Exception | None:
@@ -35,7 +36,7 @@ class Manager:
         self.reported.append(error)
 
     def current_step(self) -> int:
-        return 0
+        return 7
 
 
 def main(role: str, store: str) -> None:
@@ -44,7 +45,7 @@ def main(role: str, store: str) -> None:
     if role == "silent":
         sys.stdin.read()
         return
-    manager = Manager(pg)
+    manager = FakeManager(pg=pg)
     watch = LeftBehindWatch(manager, "http://lighthouse", read_quorum_id=lambda _: 2, check_after=0.2, interval=0.1)
     buffer = torch.ones(1 << 20)
     work = pg.allreduce([buffer], torch.distributed.AllreduceOptions())
