@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torchft.manager
 from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
 from torch.distributed import Store, TCPStore
-from torchft import ProcessGroupGloo
 
+from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo
 from lightning_ft_cli.addresses import family_of, is_loopback, numeric_host, url_host
 
 
@@ -86,7 +86,7 @@ def manager_server_bound_to(hostname: str) -> Iterator[None]:
         torchft.manager.ManagerServer = original  # type: ignore[misc]
 
 
-class AddressedProcessGroupGloo(ProcessGroupGloo):
+class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
     """torchft's reconfigurable Gloo process group, bound to the group's chosen address.
 
     Gloo's default device binds to the address the machine's hostname resolves to, or loopback if that address is

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
-from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+from torchft import Manager
 from torchft.checkpointing import CheckpointTransport
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.manager import WorldSizeMode
@@ -53,6 +53,7 @@ from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStat
 from lightning_ft.lighthouse_outage import OutageTolerantClient
 from lightning_ft.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.local_vote import vote_locally
+from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.settings import FTSettings
 from lightning_ft.telemetry import TimedTransport
 from lightning_ft_cli.addresses import is_loopback, numeric_host
@@ -137,7 +138,8 @@ def cross_group_process_group(settings: FTSettings, device: torch.device, hostna
     """The reconfigurable process group that carries collectives between replica groups.
 
     Gloo binds to the advertised address when the user chose one or it is loopback, unless ``GLOO_SOCKET_IFNAME``
-    says otherwise; by default it keeps its own choice (the address the machine's name resolves to).
+    says otherwise; by default it keeps its own choice (the address the machine's name resolves to). Every variant
+    fails a reconfiguration through a dead primary's store at once (:mod:`lightning_ft.quorum_store`).
     """
     name = settings.process_group
     if name == "auto":
@@ -145,11 +147,11 @@ def cross_group_process_group(settings: FTSettings, device: torch.device, hostna
     if name == "nccl":
         if device.type != "cuda":
             raise ValueError(f"process_group='nccl' needs a CUDA device, but this process trains on {device}.")
-        return ProcessGroupNCCL(timeout=settings.timeout)
+        return StoreCheckedProcessGroupNCCL(timeout=settings.timeout)
     chosen = settings.hostname is not None or is_loopback(hostname)
     if chosen and not os.environ.get("GLOO_SOCKET_IFNAME"):
         return AddressedProcessGroupGloo(hostname, timeout=settings.timeout)
-    return ProcessGroupGloo(timeout=settings.timeout)
+    return StoreCheckedProcessGroupGloo(timeout=settings.timeout)
 
 
 def checkpoint_transport(

@@ -1,0 +1,71 @@
+"""Failing at once when a new quorum's store belongs to a group that is already gone.
+
+The failure this answers (seen in the two-kill chaos test, here and in CI): a group sends its quorum request and
+dies before the quorum forms. Its heartbeats are still fresh (the lighthouse's heartbeat timeout has not passed), so
+the lighthouse puts it in the quorum. When the membership changed, every member reconfigures torchft's cross-group
+process group through the TCPStore of the quorum's primary member. If the dead group is that primary, its store is
+gone: the connection is refused, and torch's TCPStore client retries refused connections until the process group's
+timeout (``FTStrategy(timeout=...)``, 60 s by default). The survivor sits out the whole timeout in its quorum while
+the others, formed into the next quorum without it, train on; a short job can even finish meanwhile, and the
+survivor then comes back to train alone.
+
+A primary's store lives as long as its group's rank 0 (it is created before the group's Manager), so a refused
+connection means that group is gone. :class:`FailFastOnGoneStore` checks that with one plain TCP connect before
+torchft's ``configure`` and raises :class:`QuorumStoreGoneError` at once; torchft's quorum reports it, the step does
+not commit, and the next quorum, without the dead group, rebuilds the process group. Any other outcome of the probe
+(accepted, timed out, unreachable) leaves the connection to torchft as before.
+
+Not covered: a dead member that is *not* the primary. The store is then alive, and Gloo's rendezvous waits for the
+dead member's address until the timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+PROBE_TIMEOUT_S = 5.0
+
+
+class QuorumStoreGoneError(ConnectionRefusedError):
+    """The store of the quorum's primary member refuses connections: that member's group is gone."""
+
+
+def store_host_port(store_addr: str) -> tuple[str, int]:
+    """``(host, port)`` of torchft's ``host:port/prefix`` store address (IPv6 hosts may be bracketed)."""
+    address = store_addr.partition("/")[0]
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`QuorumStoreGoneError` if the store at ``store_addr`` refuses a TCP connection."""
+    host, port = store_host_port(store_addr)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except ConnectionRefusedError as error:
+        raise QuorumStoreGoneError(
+            f"lightning-ft: the new quorum's store at {host}:{port} refuses connections: the replica group hosting it "
+            f"died after asking for this quorum. This step will not commit; the next quorum goes on without that group."
+        ) from error
+    except OSError:
+        return  # slow or unreachable: torchft's own connection and its timeout decide
+
+
+class FailFastOnGoneStore:
+    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``."""
+
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+        fail_if_store_gone(store_addr)
+        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+
+class StoreCheckedProcessGroupGloo(FailFastOnGoneStore, ProcessGroupGloo):
+    """torchft's ``ProcessGroupGloo`` that fails a reconfiguration through a dead primary's store at once."""
+
+
+class StoreCheckedProcessGroupNCCL(FailFastOnGoneStore, ProcessGroupNCCL):
+    """torchft's ``ProcessGroupNCCL`` that fails a reconfiguration through a dead primary's store at once."""
