@@ -1,4 +1,4 @@
-"""Failing at once when a new quorum's store belongs to a group that is already gone.
+"""Reconfiguring for a quorum that holds a dead group: fail at once, or give up once the others have gone on.
 
 The failure this answers (seen in the two-kill chaos test, here and in CI): a group sends its quorum request and
 dies before the quorum forms. Its heartbeats are still fresh (the lighthouse's heartbeat timeout has not passed), so
