@@ -47,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"lightning-ft lighthouse: listening on {lighthouse.address}", flush=True)
     print(f"lightning-ft lighthouse: status page {lighthouse.address}/ (open in a browser)", flush=True)
-    stop.wait()
+    # Wake up now and then: a signal delivered to one of the lighthouse's native threads only sets CPython's flag, and
+    # the handler runs when the main thread next executes Python, which an untimed wait would never let it do.
+    while not stop.wait(timeout=0.5):
+        pass
     lighthouse.shutdown()
     print("lightning-ft lighthouse: stopped", flush=True)
     return 0

@@ -13,12 +13,12 @@ from datetime import timedelta
 import pytest
 import torch
 from torch.distributed import ReduceOp, TCPStore
-from torchft import ProcessGroupGloo
 
 from lightning_ft import FTStrategy
 from lightning_ft.http_transport import CheckpointHTTPTransport
 from lightning_ft.listeners import AddressedProcessGroupGloo
 from lightning_ft.manager import checkpoint_transport, cross_group_process_group
+from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ def test_the_hostname_defaults_to_the_machine_name_and_is_not_bound_by_gloo(monk
     assert settings.hostname is None
     hostname = settings.advertised_hostname(num_nodes=1)
     assert hostname == socket.gethostname()
-    assert type(cross_group_process_group(settings, CPU, hostname)) is ProcessGroupGloo
+    assert type(cross_group_process_group(settings, CPU, hostname)) is StoreCheckedProcessGroupGloo
 
 
 def test_one_node_with_the_embedded_lighthouse_advertises_loopback(monkeypatch):
@@ -53,7 +53,7 @@ def test_a_chosen_hostname_binds_gloo_unless_gloo_socket_ifname_is_set(monkeypat
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     assert isinstance(cross_group_process_group(settings, CPU, "127.0.0.1"), AddressedProcessGroupGloo)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # Gloo's own, more specific setting is honoured
-    assert type(cross_group_process_group(settings, CPU, "127.0.0.1")) is ProcessGroupGloo
+    assert type(cross_group_process_group(settings, CPU, "127.0.0.1")) is StoreCheckedProcessGroupGloo
 
 
 def test_the_gloo_group_bound_to_a_chosen_address_configures_and_reduces():
