@@ -96,8 +96,8 @@ class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
     (torchft 0.2.0).
     """
 
-    def __init__(self, hostname: str, timeout: timedelta, lighthouse: str | None = None) -> None:
-        super().__init__(timeout=timeout, lighthouse=lighthouse)
+    def __init__(self, hostname: str, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
         self._hostname = hostname
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:

@@ -150,8 +150,8 @@ def cross_group_process_group(settings: FTSettings, device: torch.device, hostna
         return StoreCheckedProcessGroupNCCL(timeout=settings.timeout)
     chosen = settings.hostname is not None or is_loopback(hostname)
     if chosen and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        return AddressedProcessGroupGloo(hostname, timeout=settings.timeout, lighthouse=settings.lighthouse)
-    return StoreCheckedProcessGroupGloo(timeout=settings.timeout, lighthouse=settings.lighthouse)
+        return AddressedProcessGroupGloo(hostname, timeout=settings.timeout)
+    return StoreCheckedProcessGroupGloo(timeout=settings.timeout)
 
 
 def checkpoint_transport(

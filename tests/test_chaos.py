@@ -7,6 +7,7 @@ import argparse
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from harness import REPO, LaunchedJob, assert_bit_identical
@@ -69,15 +70,21 @@ def chaos_kills(job: LaunchedJob) -> list[tuple[int, set[int]]]:
 
 
 def hold_others_until_the_victim_is_back(job: LaunchedJob, kill: int, groups: int) -> None:
-    """After the launcher's kill number ``kill`` (1-based), hold every other group between two batches (its Manager
-    heartbeating) until torchrun's restart of the victim asks for its first quorum: the victim then joins the next
-    quorum and heals from a live peer, however long its restart took, and the job cannot end before it is back."""
+    """After the launcher's kill number ``kill`` (1-based), hold every other (one-process) group between two batches
+    (its Manager heartbeating) until each of them has stopped there and torchrun's restart of the victim asks for its
+    first quorum. Then all of them ask for the next quorum together: the victim heals from a live peer, however long
+    its restart took, and no group can be left out of the rest of the job.
+
+    Waiting for each survivor to *stop* matters: a survivor can be held up by the kill itself (in the victim's last
+    allreduce, or in the rendezvous of a quorum that the victim joined just before it died) until the collective
+    timeout. Released early, the others could finish the job meanwhile, and it would come back to train alone."""
     victim, killed = job.wait_for(
         f"chaos kill {kill}", lambda: len(kills := chaos_kills(job)) >= kill and kills[kill - 1]
     )
     others = [group for group in range(groups) if group != victim]
+    held_since = time.time()
     for group in others:
-        (job.root / f"pause.group{group}").touch()
+        (job.root / f"pause.group{group}.rank0").touch()
     killed_started = max(e["time"] for e in job.events("started", group=victim) if e["pid"] in killed)
     restarted = job.wait_for(
         f"torchrun to restart group {victim}",
@@ -87,7 +94,12 @@ def hold_others_until_the_victim_is_back(job: LaunchedJob, kill: int, groups: in
         f"the restarted group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted[0])
     )
     for group in others:
-        (job.root / f"pause.group{group}").unlink()
+        job.wait_for(
+            f"group {group} to stop between two batches",
+            lambda group=group: [e for e in job.events("paused", group=group) if e["time"] > held_since],
+        )
+    for group in others:
+        (job.root / f"pause.group{group}.rank0").unlink()
 
 
 def assert_survived(job: LaunchedJob, *, case: str, max_steps: int, kills: int, timeout: float) -> None:
