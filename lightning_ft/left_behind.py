@@ -88,7 +88,7 @@ def lighthouse_quorum_id(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> 
     return int(match.group(1))
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the watch keeps the pending ones in a set
 class _Pending:
     """One allreduce in flight: DDP's future, the bucket it averages, and the quorum it belongs to."""
 
@@ -127,8 +127,7 @@ class LeftBehindWatch:
         self._check_after = check_after
         self._interval = interval
         self._lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
-        self._next_key = 0
+        self._pending: set[_Pending] = set()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned_unreadable = False
@@ -144,9 +143,7 @@ class LeftBehindWatch:
         is if the watchdog gives the allreduce up first."""
         pending = _Pending(torch.futures.Future(), buffer, _quorum_id(self._manager), self._clock())
         with self._lock:
-            key = self._next_key
-            self._next_key += 1
-            self._pending[key] = pending
+            self._pending.add(pending)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="lightning_ft_left_behind", daemon=True)
                 self._thread.start()
@@ -155,7 +152,7 @@ class LeftBehindWatch:
             with self._lock:
                 if pending.given_up:
                     return
-                del self._pending[key]
+                self._pending.discard(pending)
             pending.result.set_result(on_done(finished))
 
         done.add_done_callback(settle)
@@ -164,7 +161,7 @@ class LeftBehindWatch:
     def check(self) -> None:
         """One look at the pending allreduces (the watchdog's loop body; callable directly in tests)."""
         with self._lock:
-            overdue = [p for p in self._pending.values() if self._clock() - p.started >= self._check_after]
+            overdue = [p for p in self._pending if self._clock() - p.started >= self._check_after]
         if not overdue:
             return
         try:
@@ -184,10 +181,10 @@ class LeftBehindWatch:
 
     def _give_up_older_than(self, current: int) -> None:
         with self._lock:
-            left = [p for p in self._pending.values() if p.quorum_id < current]
+            left = [p for p in self._pending if p.quorum_id < current]
             for pending in left:
                 pending.given_up = True
-            self._pending = {key: p for key, p in self._pending.items() if not p.given_up}
+            self._pending.difference_update(left)
             if left:
                 self.process_group_left_behind = True
         if not left:
