@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
+from lightning_ft.job_start import JobBehindCheckpointError
 from lightning_ft.left_behind import LeftBehindWatch, set_aside_process_group
 from lightning_ft.telemetry import FTTelemetry
 from lightning_ft_cli import events
@@ -56,6 +57,8 @@ class StepProtocol:
         self.non_finite_skips = 0
         # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.left_behind).
         self.left_behind: LeftBehindWatch | None = None
+        # The job's newest checkpoint step, which this process's first quorum must reach (lightning_ft.job_start).
+        self.floor_step: int | None = None
 
     @property
     def quorum_open(self) -> bool:
@@ -89,6 +92,26 @@ class StepProtocol:
         self._quorum_open = True
         self.quorums_opened += 1
         self._decision = None
+        if self.floor_step is not None:
+            self._check_floor(self.floor_step)
+
+    def _check_floor(self, floor_step: int) -> None:
+        """Stop rather than take the job back: this quorum's groups (healed to the highest step among them) must be
+        at or past the job's newest checkpoint. Only until the first quorum that is; it waits for an asynchronous
+        quorum, so it costs the overlap of one step."""
+        self.manager.wait_quorum()
+        step = self.manager.current_step()
+        if step >= floor_step:
+            self.floor_step = None
+            return
+        if self.manager.errored() is not None:  # the heal failed; this step will not commit, the next one checks
+            return
+        events.emit("behind_checkpoint", step=step, checkpoint_step=floor_step)
+        raise JobBehindCheckpointError(
+            f"lightning-ft: the replica groups of this quorum are at committed step {step}, behind the job's newest "
+            f"checkpoint at step {floor_step}: the live peer this group expected to heal from is gone. Stopping so "
+            f"that this group's restart resumes the job from that checkpoint instead of training from older state."
+        )
 
     def require_quorum(self) -> None:
         if not self._quorum_open:

@@ -40,12 +40,9 @@ NCCL's hung collectives are aborted by torchft's own timer (``Manager.wrap_futur
 
 from __future__ import annotations
 
-import http.client
 import logging
-import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +50,7 @@ from typing import Any
 import torch
 from torchft import Manager
 
+from lightning_ft.lighthouse_status import STATUS_TIMEOUT_S, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft_cli import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -61,31 +59,15 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 CHECK_AFTER_S = 1.0
 # How often the status page is read while an allreduce stays pending.
 INTERVAL_S = 0.5
-STATUS_TIMEOUT_S = 2.0
-
-_QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 
 
 class CollectiveLeftBehindError(RuntimeError):
     """The other replica groups formed a newer quorum while this group's cross-group allreduce was still pending."""
 
 
-class StatusPageUnreadable(RuntimeError):
-    """The lighthouse's status page could not be fetched, or it has no current quorum id."""
-
-
 def lighthouse_quorum_id(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> int:
-    """The lighthouse's current quorum id, from its status page (``GET /status``, torchft 0.2.0's format)."""
-    url = lighthouse.rstrip("/") + "/status"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            page = response.read(1 << 20).decode("utf-8", errors="replace")
-    except (OSError, ValueError, http.client.HTTPException) as error:
-        raise StatusPageUnreadable(f"cannot read {url}: {error}") from error
-    match = _QUORUM_ID.search(page)
-    if match is None:
-        raise StatusPageUnreadable(f"{url} has no 'Current quorum_id: N' line")
-    return int(match.group(1))
+    """The lighthouse's current quorum id, from its status page (:mod:`lightning_ft.lighthouse_status`)."""
+    return read_lighthouse_status(lighthouse, timeout).quorum_id
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the watch keeps the pending ones in a set

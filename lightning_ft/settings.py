@@ -21,6 +21,7 @@ from lightning_ft_cli.environment import (
     ENV_LIGHTHOUSE,
     ENV_NUM_REPLICA_GROUPS,
     ENV_REPLICA_GROUP_ID,
+    ENV_START_TIMEOUT,
 )
 
 ProcessGroupName = Literal["auto", "gloo", "nccl"]
@@ -29,6 +30,11 @@ TransportName = Literal["http", "pg"]
 PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
 TRANSPORTS: tuple[str, ...] = ("http", "pg")
 WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
+
+
+# Long enough for a scheduler to place a job's nodes one by one (and for Kubernetes to reschedule a pod after a node
+# failure, about 5 minutes); short enough that a group that never comes does not hold the others for long.
+DEFAULT_START_TIMEOUT_S = 300.0
 
 
 class FTConfigError(ValueError):
@@ -78,6 +84,8 @@ class FTSettings:
     # torchft's WorldSizeMode: "dynamic" averages over every participating group; "fixed_with_spares" lets exactly
     # min_replica_size groups contribute, the others are spares that stay healed and contribute zero.
     world_size_mode: str = "dynamic"
+    # How long the first committed step waits for every group to start (lightning_ft.job_start); 0: not at all.
+    start_timeout: timedelta = timedelta(seconds=DEFAULT_START_TIMEOUT_S)
 
     @property
     def replica_id(self) -> str:
@@ -157,6 +165,7 @@ def resolve_settings(
     lighthouse_outage_timeout: float | None = 600.0,
     interface: str | None = None,
     world_size_mode: str = "dynamic",
+    start_timeout: float | None = None,
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -197,6 +206,7 @@ def resolve_settings(
             f"exactly min_replica_size groups contribute, the rest are hot spares)."
         )
     hostname = _advertised_address(hostname, interface)
+    start_timeout = _start_timeout(start_timeout)
 
     return FTSettings(
         replica_group_id=group_id,
@@ -220,4 +230,25 @@ def resolve_settings(
             else _positive_seconds("lighthouse_outage_timeout", lighthouse_outage_timeout)
         ),
         world_size_mode=world_size_mode,
+        start_timeout=timedelta(seconds=start_timeout),
     )
+
+
+def _start_timeout(value: float | None) -> float:
+    """``start_timeout`` from the argument, else ``LIGHTNING_FT_START_TIMEOUT``, else the default; 0 or more."""
+    source = "start_timeout"
+    if value is None:
+        raw = os.environ.get(ENV_START_TIMEOUT)
+        if raw is None or raw == "":
+            return DEFAULT_START_TIMEOUT_S
+        source = f"environment variable {ENV_START_TIMEOUT}"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise FTConfigError(f"{source}={raw!r} is not a number of seconds, for example 300.") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise FTConfigError(
+            f"{source}={value!r}: must be 0 or more seconds (0 starts the job as soon as any group is up), "
+            f"for example start_timeout=300."
+        )
+    return float(value)

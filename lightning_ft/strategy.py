@@ -88,6 +88,16 @@ from lightning_ft.exactly_once import ExactlyOnceData, StepPlacement, exactly_on
 from lightning_ft.hsdp import checkpoint as sharded_checkpoint
 from lightning_ft.hsdp.config import DataParallelSettings, resolve_data_parallel
 from lightning_ft.hsdp.sharding import fsdp_modules, group_mesh, is_sharded, shard_module
+from lightning_ft.job_record import JobRecord, durable_checkpoint_dirs
+from lightning_ft.job_start import (
+    JobAlreadyFinished,
+    NoLivePeerError,
+    StartContext,
+    StartDecision,
+    already_finished_message,
+    decide_start,
+    finished_job,
+)
 from lightning_ft.left_behind import LeftBehindWatch
 from lightning_ft.manager import ManagerHandle, build_manager
 from lightning_ft.position_sidecars import remove_sidecars, save_own_position, use_own_position
@@ -123,6 +133,12 @@ class FTStrategy(DDPStrategy):
         connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer. A connection either
             opens within seconds or the address is wrong, so the default (20, torchft's is 60) reports a wrong
             lighthouse URL well within a minute.
+        start_timeout: Seconds the job's first committed step waits for every one of ``num_replica_groups`` groups
+            to start (groups of one job may start seconds or minutes apart). When it expires, the job starts with the
+            groups present (as ``min_replica_size`` allows) and warns once, naming the missing groups; they join and
+            heal later. ``0`` starts as soon as any group is up. A group that joins a job already under way never
+            waits. Default: env ``LIGHTNING_FT_START_TIMEOUT``, else 300. It also bounds how long a restarted group
+            waits for a live peer when the job keeps no checkpoint (see ``docs/failure-semantics.md``).
         lighthouse_outage_timeout: Seconds a lighthouse outage may last. While the lighthouse is unreachable every
             group stalls at its next quorum (one warning naming the lighthouse), asks again once a lighthouse is back
             at the same address, and resumes without losing or re-applying a step; after this long it fails with
@@ -214,6 +230,7 @@ class FTStrategy(DDPStrategy):
         replica_id_prefix: str = "lightning_ft_",
         skip_non_finite_steps: bool = True,
         lighthouse_outage_timeout: float | None = 600.0,
+        start_timeout: float | None = None,
         world_size_mode: str = "dynamic",
         data_mode: str = "sharded",
         algorithm: str = "ddp",
@@ -298,6 +315,7 @@ class FTStrategy(DDPStrategy):
             skip_non_finite_steps=skip_non_finite_steps,
             lighthouse_outage_timeout=lighthouse_outage_timeout,
             world_size_mode=world_size_mode,
+            start_timeout=start_timeout,
         )
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
@@ -309,6 +327,8 @@ class FTStrategy(DDPStrategy):
         self._comm_state: FTCommState | None = None
         self._exactly_once: ExactlyOnceData | None = None
         self._preparing_train_data = False
+        self._job_record = JobRecord([])
+        self._refused_a_save = False
 
     @staticmethod
     def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
@@ -431,6 +451,8 @@ class FTStrategy(DDPStrategy):
         if trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
             return
         events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._exit_if_job_finished(trainer)  # before this group registers with the lighthouse
         # Before Lightning registers its own SIGTERM handler, which then calls this one too.
         self._sigterm_deadline.install()
         self._handle = build_manager(
@@ -446,6 +468,7 @@ class FTStrategy(DDPStrategy):
                 ppid=os.getppid(),
                 replica_groups=self.num_replica_groups,
             )
+            self._start_where_the_job_is(trainer)
         self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
 
     def _section_position(self) -> tuple[int, int, int]:
@@ -454,6 +477,62 @@ class FTStrategy(DDPStrategy):
         step = self._handle.manager.current_step() if self._handle is not None else 0
         batches = trainer.fit_loop.epoch_loop.batch_progress.total.ready if self._protocol is not None else 0
         return step, trainer.current_epoch if self._protocol is not None else 0, batches
+
+    # ------------------------------------------------------------------ one job, one model (lightning_ft.job_start)
+    def _exit_if_job_finished(self, trainer: pl.Trainer) -> None:
+        """A group started after its job finished exits 0 at once: no training, logging or checkpoint."""
+        self._job_record = JobRecord(durable_checkpoint_dirs(trainer))
+        finished = None
+        if self.global_rank == 0 and self._job_record.exists:
+            finished = finished_job(self._job_record, trainer.max_steps, trainer.max_epochs)
+        finished = self.broadcast(finished)
+        if finished is not None:
+            message = already_finished_message(finished, self.replica_group_id)
+            log.warning(message)
+            events.emit("job_already_finished", step=finished.step, directory=str(finished.directory))
+            raise JobAlreadyFinished(finished)
+
+    def _start_where_the_job_is(self, trainer: pl.Trainer) -> None:
+        """Wait for a coherent start, then make sure this group never trains from a state older than the job's."""
+        decision = None
+        if self.global_rank == 0:
+            decision = decide_start(
+                StartContext(
+                    group=self.replica_group_id,
+                    num_groups=self.num_replica_groups,
+                    prefix=self.settings.replica_id_prefix,
+                    lighthouse=self.settings.lighthouse,
+                    start_timeout_s=self.settings.start_timeout.total_seconds(),
+                    attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    record=self._job_record,
+                )
+            )
+        decision = self.broadcast(decision)
+        assert isinstance(decision, StartDecision)
+        if decision.error is not None:
+            events.emit("no_live_peer", error=decision.error)
+            raise NoLivePeerError(decision.error)
+        protocol = self.step_protocol
+        connector = trainer._checkpoint_connector
+        resume_start: Callable[..., None] = connector.resume_start
+
+        def resume_where_the_job_is(checkpoint_path: _PATH | None = None, **kwargs: Any) -> None:
+            if checkpoint_path:  # the user chose where the job resumes
+                return resume_start(checkpoint_path, **kwargs)
+            protocol.floor_step = decision.floor_step
+            if decision.resume_from is not None:
+                log.warning(
+                    "lightning-ft: no live replica group is ahead of the job's newest checkpoint; group %d resumes the "
+                    "job from %s (committed step %d). Steps committed after it, if any, are lost.",
+                    self.replica_group_id,
+                    decision.resume_from,
+                    decision.floor_step,
+                )
+                events.emit("resumed_from_checkpoint", path=str(decision.resume_from), step=decision.floor_step)
+                checkpoint_path = decision.resume_from
+            return resume_start(checkpoint_path, **kwargs)
+
+        self._patch(connector, "resume_start", resume_where_the_job_is)
 
     def _add_default_callbacks(self, trainer: pl.Trainer) -> None:
         """Put the FT callbacks first unless the user supplied their own instance (or a subclass) of each."""
@@ -800,10 +879,22 @@ class FTStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write only on the single checkpoint writer (see :attr:`is_checkpoint_writer`), crash-safely. Every rank
-        also writes its own data position beside it (see :mod:`lightning_ft.position_sidecars`)."""
+        also writes its own data position beside it (see :mod:`lightning_ft.position_sidecars`).
+
+        Checkpoints only move forward: a state at a lower committed step than the newest one in the file's
+        directory is not written (one warning says why; :mod:`lightning_ft.job_record`)."""
+        step = int(checkpoint.get("global_step", 0))
+        refusal = self._job_record.refuse_save(filepath, step) if self.global_rank == 0 else None
+        if self.broadcast(refusal) is not None:
+            if not self._refused_a_save:
+                self._refused_a_save = True
+                log.warning("lightning-ft: not writing %s: %s.", filepath, refusal)
+            events.emit("checkpoint_refused", path=str(filepath), step=step)
+            return
         save_own_position(checkpoint, filepath, self.replica_group_id, self.global_rank)
         if self.is_checkpoint_writer:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            self._job_record.record_save(filepath, step)
             events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
 
     @override
@@ -839,6 +930,7 @@ class FTStrategy(DDPStrategy):
         if self.is_checkpoint_writer:
             self.checkpoint_io.remove_checkpoint(filepath)
             remove_sidecars(filepath)
+            self._job_record.record_removal(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -859,10 +951,34 @@ class FTStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """The ``finished`` event; with the event log asked for explicitly (the fault tests), a fingerprint of the final
         state too. Never by default: it reads the whole state (with FSDP, gathers it)."""
+        trainer = self.lightning_module.trainer
+        self._record_the_end(trainer)
         if events.enabled():
-            trainer = self.lightning_module.trainer
             fingerprint = {"fingerprint": state_fingerprint(trainer)} if events.requested() else {}
             events.emit("finished", step=self.manager.current_step(), global_step=trainer.global_step, **fingerprint)
+
+    def _record_the_end(self, trainer: pl.Trainer) -> None:
+        """A fit that ended normally ended the job: each group's rank 0 says so in the job's record, so that a group
+        started after the end exits instead of training a new model (:mod:`lightning_ft.job_start`)."""
+        if self.global_rank != 0 or not self._job_record.exists or self._protocol is None:
+            return
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            reason = f"max_steps={trainer.max_steps} reached"
+        elif (
+            trainer.max_epochs is not None and trainer.max_epochs != -1 and trainer.current_epoch >= trainer.max_epochs
+        ):
+            reason = f"max_epochs={trainer.max_epochs} reached"
+        elif trainer.should_stop:
+            reason = "stopped early"
+        else:
+            return
+        self._job_record.mark_finished(
+            step=self.manager.current_step(),
+            epoch=trainer.current_epoch,
+            max_steps=trainer.max_steps,
+            max_epochs=trainer.max_epochs,
+            reason=reason,
+        )
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -14,3 +14,5 @@ ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 # network interface whose address it advertises.
 ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
+# How long a group waits for every group of the job to start before the job starts with those present (seconds).
+ENV_START_TIMEOUT = "LIGHTNING_FT_START_TIMEOUT"

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from lightning_ft_cli.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft_cli.environment import ENV_HOSTNAME, ENV_INTERFACE
+from lightning_ft_cli.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
 from lightning_ft_cli.events import ENV_EVENTS_DIR
 from lightning_ft_cli.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
 from lightning_ft_cli.processes import children_of
@@ -75,8 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--finish-grace",
         type=float,
         default=30.0,
-        help="once a group has finished successfully, stop the others after this many seconds; a group restarted "
-        "after its peers finished would otherwise train alone from scratch (default: %(default)s)",
+        help="once a group has finished successfully, stop the others after this many seconds: a backstop, as a "
+        "group restarted after the end exits by itself when the job keeps checkpoints (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"how long the job's first step waits for every group to start before the job starts with the groups "
+        f"present; 0 starts at once (sets {ENV_START_TIMEOUT}; default: FTStrategy's, 300)",
     )
     chaos = parser.add_argument_group("failure rehearsal (SIGKILL a random replica group, never all at once)")
     chaos.add_argument("--chaos-every", type=float, default=None, metavar="SECONDS", help="kill every SECONDS")
@@ -118,9 +126,13 @@ def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) ->
     return [sys.executable, *torchrun_arguments(nproc_per_group, max_restarts), "--no-python", *cmd]
 
 
-def group_environment(group_id: int, num_groups: int, lighthouse: str, events_dir: str | None) -> dict[str, str]:
+def group_environment(
+    group_id: int, num_groups: int, lighthouse: str, events_dir: str | None, start_timeout: float | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(group_variables(group_id, num_groups, lighthouse))
+    if start_timeout is not None:
+        env[ENV_START_TIMEOUT] = f"{start_timeout:g}"
     # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
     env.setdefault("OMP_NUM_THREADS", "1")
     # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
@@ -241,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.start_timeout is not None and not args.start_timeout >= 0:
+        print(f"lightning-ft launch: --start-timeout={args.start_timeout:g}: give 0 or more seconds.", file=sys.stderr)
+        return 2
     if args.min_replicas > args.replica_groups:
         print(
             f"lightning-ft launch: --min-replicas={args.min_replicas} exceeds --replica-groups={args.replica_groups}; "
@@ -302,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         for group_id in group_ids:
             process = subprocess.Popen(
                 torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
-                env=group_environment(group_id, args.replica_groups, url, events_dir),
+                env=group_environment(group_id, args.replica_groups, url, events_dir, args.start_timeout),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

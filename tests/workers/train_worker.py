@@ -312,6 +312,21 @@ class SaveFinalState(pl.Callback):
         torch.save(state, self.out_dir / name)
 
 
+def hold_start(directory: Path, group: int, deadline_s: float = 120.0) -> None:
+    """While ``<dir>/hold_start.group<G>`` exists, group G's process waits before it builds its Trainer: a group that
+    starts (or whose restart comes) late, for as long as the test says. A marker file tells the test it is held."""
+    hold = directory / f"hold_start.group{group}"
+    if not hold.exists():
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    (directory / f"held_start.group{group}.attempt{attempt}").touch()
+    deadline = time.monotonic() + deadline_s
+    while hold.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test gate: {hold} did not disappear within {deadline_s}s")
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=60)
@@ -363,9 +378,12 @@ def main() -> None:
     parser.add_argument(
         "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
     )
+    parser.add_argument("--start-timeout", type=float, default=None, help="FTStrategy(start_timeout=...)")
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    if args.gate_dir is not None:
+        hold_start(Path(args.gate_dir), group)
     # Different initial weights per group (init_sync must make them equal), unless the test needs them known.
     torch.manual_seed(100 + group if args.seed is None else args.seed)
     torch.set_num_threads(1)
@@ -399,6 +417,8 @@ def main() -> None:
         algorithm["min_replica_size"] = args.min_replica_size
     if args.world_size_mode is not None:
         algorithm["world_size_mode"] = args.world_size_mode
+    if args.start_timeout is not None:
+        algorithm["start_timeout"] = args.start_timeout
     if args.data_mode is not None:
         algorithm["data_mode"] = args.data_mode
     if args.data_parallel != "ddp":  # only passed when set, as above

@@ -1,0 +1,192 @@
+"""The job's durable record: which checkpoint is its newest, and whether it has finished.
+
+A group that starts or restarts while no live peer is ahead of it must not train from its own initial or stale
+state as if it were the whole job (one job, one model). The only state that outlives every group is on disk, in the
+job's checkpoint directory, so that is where the job keeps a small record beside its checkpoints, in
+``<dirpath>/.lightning_ft/``:
+
+* ``checkpoints.json``: the committed step of every checkpoint file written, updated by the checkpoint writer after
+  each save. It names the job's newest checkpoint, and it is what keeps checkpoints moving forward: a save at a
+  lower committed step than the newest one (a group that trained from older state, a stale writer) is refused.
+* ``finished.json``: written by each group's rank 0 when its fit ends normally (``max_steps``, ``max_epochs``, or a
+  job-wide stop such as ``EarlyStopping``). A group that starts after that, under the same limits, exits at once.
+
+Which directories: those of the ``ModelCheckpoint`` callbacks whose directory is the same for every group, every
+restart and every relaunch: an explicit ``dirpath``, or ``<default_root_dir>/checkpoints`` when the Trainer has no
+logger. (With a logger and no ``dirpath``, Lightning puts checkpoints under the logger's version directory, which
+each process numbers on its own: no group could find another lifetime's files there.) A directory therefore holds
+one job: to train a new model, use a new directory.
+
+Files are written to a temporary name and renamed, so a reader never sees half a record; only local or mounted
+paths are supported (a remote ``dirpath`` such as ``s3://`` keeps no record).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+RECORD_SUBDIR = ".lightning_ft"
+CHECKPOINTS_FILE = "checkpoints.json"
+FINISHED_FILE = "finished.json"
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    path: Path
+    step: int
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    """How a job ended: its committed step, its epoch, and the limits it ran under."""
+
+    directory: Path
+    step: int
+    epoch: int
+    max_steps: int
+    max_epochs: int | None
+    reason: str
+
+    def applies_to(self, max_steps: int, max_epochs: int | None) -> bool:
+        """Whether a group with these limits would have nothing left to do. A relaunch with larger limits continues
+        the job instead (from its newest checkpoint)."""
+        return max_steps == self.max_steps and max_epochs == self.max_epochs
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(partial, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        log.warning("lightning-ft: ignoring the unreadable job record %s: %s", path, error)
+        return None
+
+
+class JobRecord:
+    """The durable record kept in the job's checkpoint directories (none: the job keeps no record)."""
+
+    def __init__(self, directories: Iterable[str | os.PathLike[str]]) -> None:
+        self.directories: list[Path] = sorted({Path(directory) for directory in directories})
+
+    @property
+    def exists(self) -> bool:
+        """Whether the job has a checkpoint directory to keep a record in."""
+        return bool(self.directories)
+
+    def _steps(self, directory: Path) -> dict[str, int]:
+        data = _read_json(directory / RECORD_SUBDIR / CHECKPOINTS_FILE)
+        return {str(name): int(step) for name, step in (data or {}).get("files", {}).items()}
+
+    def newest(self) -> SavedCheckpoint | None:
+        """The checkpoint at the highest committed step that is still on disk (the later-written one on a tie)."""
+        best: SavedCheckpoint | None = None
+        for directory in self.directories:
+            for name, step in self._steps(directory).items():
+                path = directory / name
+                if not path.is_file():
+                    continue
+                later = best is not None and step == best.step and path.stat().st_mtime > best.path.stat().st_mtime
+                if best is None or step > best.step or later:
+                    best = SavedCheckpoint(path, step)
+        return best
+
+    def newest_step(self, directory: Path) -> int | None:
+        steps = self._steps(directory)
+        return max(steps.values()) if steps else None
+
+    def refuse_save(self, filepath: str | os.PathLike[str], step: int) -> str | None:
+        """Why a save of ``step`` to ``filepath`` must not happen, or None: the file's directory already holds the
+        job at a later committed step, so this state is older than the job's (or from another lineage)."""
+        directory = Path(filepath).parent
+        newest = self.newest_step(directory)
+        if newest is not None and step < newest:
+            return (
+                f"{directory} already holds the job at committed step {newest}, and this state is at step {step}: "
+                f"it is older than the job's (a group that trained from an earlier state), so it would overwrite "
+                f"newer work"
+            )
+        return None
+
+    def record_save(self, filepath: str | os.PathLike[str], step: int) -> None:
+        """Note that ``filepath`` now holds committed step ``step`` (the checkpoint writer, after a save)."""
+        path = Path(filepath)
+        record = path.parent / RECORD_SUBDIR / CHECKPOINTS_FILE
+        data = _read_json(record) or {}
+        files = {name: s for name, s in data.get("files", {}).items() if (path.parent / name).exists()}
+        files[path.name] = int(step)
+        _write_json(record, {"files": files, "updated": time.time()})
+
+    def record_removal(self, filepath: str | os.PathLike[str]) -> None:
+        path = Path(filepath)
+        record = path.parent / RECORD_SUBDIR / CHECKPOINTS_FILE
+        data = _read_json(record)
+        if data and path.name in data.get("files", {}):
+            data["files"].pop(path.name)
+            _write_json(record, data)
+
+    def finished(self) -> FinishedJob | None:
+        """How the job ended, if it has."""
+        for directory in self.directories:
+            data = _read_json(directory / RECORD_SUBDIR / FINISHED_FILE)
+            if data is not None:
+                return FinishedJob(
+                    directory=directory,
+                    step=int(data["step"]),
+                    epoch=int(data["epoch"]),
+                    max_steps=int(data["max_steps"]),
+                    max_epochs=None if data.get("max_epochs") is None else int(data["max_epochs"]),
+                    reason=str(data.get("reason", "")),
+                )
+        return None
+
+    def mark_finished(self, step: int, epoch: int, max_steps: int, max_epochs: int | None, reason: str) -> None:
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "max_steps": max_steps,
+            "max_epochs": max_epochs,
+            "reason": reason,
+            "time": time.time(),
+        }
+        for directory in self.directories:
+            _write_json(directory / RECORD_SUBDIR / FINISHED_FILE, record)
+
+    def clear_finished(self) -> None:
+        """A job continued past its recorded end (relaunched with larger limits) is no longer finished."""
+        for directory in self.directories:
+            (directory / RECORD_SUBDIR / FINISHED_FILE).unlink(missing_ok=True)
+
+
+def durable_checkpoint_dirs(trainer: Any) -> list[Path]:
+    """The checkpoint directories that every group, restart and relaunch of the job resolves alike (see the module
+    docstring). Read before ``ModelCheckpoint.setup`` resolves its own default, so computed here the same way."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    directories = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        directory = callback.dirpath
+        if directory is None and not trainer.loggers:
+            directory = os.path.join(trainer.default_root_dir, "checkpoints")
+        if directory is None or "://" in str(directory):
+            continue
+        directories.append(Path(os.path.realpath(os.path.expanduser(str(directory)))))
+    return directories

@@ -1,0 +1,193 @@
+"""Where a replica group starts from: one job, one model, whoever starts first, restarts late or comes after the end.
+
+A group that starts while no live peer is ahead of it would otherwise form a quorum alone and train from its own
+initial (or stale) weights as if it were the whole job: a second model, silently. This module decides, once per
+process and before the first quorum, on the group's rank 0 (the decision is broadcast in the group):
+
+1. **After the end.** If the job's record (:mod:`lightning_ft.job_record`) says it finished under the same limits,
+   the group exits 0 at once (:class:`JobAlreadyFinished`), before it registers with the lighthouse: no training, no
+   logging, no checkpoint. This holds whatever engine started it.
+2. **A coherent start.** Until every one of ``num_replica_groups`` groups heartbeats to the lighthouse, a group
+   waits (``start_timeout``), unless the job is already under way: a member of the last quorum of another group is
+   still alive, so this group is a late joiner and heals from it. When the timeout expires, the job starts with the
+   groups present, with one warning naming the missing ones; they join and heal later. ``start_timeout=0`` starts
+   as soon as this group is up.
+3. **Never older than the job.** The job's newest durable state is its newest checkpoint. A group given no
+   ``ckpt_path`` (a given one is the user's choice, and wins) resumes from it unless a live peer is already at or
+   past it (the group then heals from that peer and reads nothing from disk). Either way the group's first quorum
+   must reach the checkpoint's step: if the peer it counted on has died meanwhile, the group stops
+   (:class:`JobBehindCheckpointError`) and its restart resumes from the checkpoint, rather than taking the job back
+   to an older state.
+4. **No record at all.** A restarted group (a torchrun restart, or a new process joining a job whose last quorum it
+   can see) that finds no live peer after waiting ``start_timeout`` stops with :class:`NoLivePeerError`: training
+   on alone would start the job over from this group's initial weights.
+
+What the lighthouse knows comes from its status page (:mod:`lightning_ft.lighthouse_status`). If it cannot be read,
+the group warns once and starts without waiting, as before this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_ft.job_record import FinishedJob, JobRecord
+from lightning_ft.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft_cli import events
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+POLL_INTERVAL_S = 0.2
+
+
+class JobAlreadyFinished(SystemExit):
+    """The job this group belongs to has already finished: the group exits 0 without training."""
+
+    def __init__(self, finished: FinishedJob) -> None:
+        super().__init__(0)
+        self.finished = finished
+
+
+class NoLivePeerError(RuntimeError):
+    """A restarted group found no live peer and the job keeps no checkpoint to resume from."""
+
+
+class JobBehindCheckpointError(RuntimeError):
+    """The groups of this group's first quorum are behind the job's newest checkpoint."""
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """What the group does before its first quorum (picklable: it is broadcast inside the group)."""
+
+    resume_from: Path | None = None
+    # The lowest committed step the group's first quorum may have: the job's newest checkpoint.
+    floor_step: int | None = None
+    error: str | None = None
+    missing_groups: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class StartContext:
+    """What the decision depends on, gathered by the strategy."""
+
+    group: int
+    num_groups: int
+    prefix: str
+    lighthouse: str | None  # None: the embedded lighthouse of a one-group job (nobody to wait for)
+    start_timeout_s: float
+    attempt: int  # torchrun's restart count of this group
+    record: JobRecord
+
+
+def finished_job(record: JobRecord, max_steps: int, max_epochs: int | None) -> FinishedJob | None:
+    """The job's end, if it ended under the same limits; a record of an end under other limits is cleared."""
+    finished = record.finished()
+    if finished is None:
+        return None
+    if finished.applies_to(max_steps, max_epochs):
+        return finished
+    log.info(
+        "lightning-ft: the job in %s finished at step %d under max_steps=%s, max_epochs=%s; it continues under "
+        "max_steps=%s, max_epochs=%s",
+        finished.directory,
+        finished.step,
+        finished.max_steps,
+        finished.max_epochs,
+        max_steps,
+        max_epochs,
+    )
+    record.clear_finished()
+    return None
+
+
+def already_finished_message(finished: FinishedJob, group: int) -> str:
+    return (
+        f"lightning-ft: replica group {group} exits without training: the job whose checkpoints are in "
+        f"{finished.directory} already finished at committed step {finished.step} ({finished.reason}). To train a "
+        f"new model, use another ModelCheckpoint dirpath; to train this one further, raise max_steps/max_epochs."
+    )
+
+
+def decide_start(
+    context: StartContext,
+    read_status: Callable[[str], LighthouseStatus] = read_lighthouse_status,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> StartDecision:
+    """Wait for a coherent start, then choose where to start from (see the module docstring)."""
+    status, missing = _wait_for_groups(context, read_status, clock, sleep)
+    live_peers = bool(status and status.fresh_groups(context.prefix) - {context.group})
+    job_seen_before = context.attempt > 0 or bool(status and status.has_members_of(context.prefix))
+    newest = context.record.newest()
+    if newest is None:
+        if not context.record.exists and job_seen_before and not live_peers and context.lighthouse is not None:
+            if status is None:  # nothing known: the group cannot tell, so it does what it did before
+                return StartDecision(missing_groups=missing)
+            return StartDecision(
+                missing_groups=missing,
+                error=(
+                    f"lightning-ft: replica group {context.group} restarted (attempt {context.attempt}) and found no "
+                    f"live replica group within start_timeout={context.start_timeout_s:g}s, and the job keeps no "
+                    f"checkpoint to resume from: training on alone would start the job over from this group's "
+                    f"initial weights. Add a ModelCheckpoint with a fixed dirpath so that a group can resume the job "
+                    f"from disk, or relaunch the whole job. (FTStrategy(start_timeout=...) sets how long to wait for "
+                    f"a peer.)"
+                ),
+            )
+        return StartDecision(missing_groups=missing)
+    ahead = status.live_member_steps(context.prefix, context.group) if status else []
+    if ahead and max(ahead) >= newest.step:
+        return StartDecision(floor_step=newest.step, missing_groups=missing)
+    return StartDecision(resume_from=newest.path, floor_step=newest.step, missing_groups=missing)
+
+
+def _wait_for_groups(
+    context: StartContext,
+    read_status: Callable[[str], LighthouseStatus],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> tuple[LighthouseStatus | None, tuple[int, ...]]:
+    """Wait until every group heartbeats, the job is under way, or ``start_timeout`` expires. Returns the last
+    reading (None if the page cannot be read) and the groups still missing when the wait ended."""
+    if context.lighthouse is None:
+        return None, ()
+    started = clock()
+    everyone = set(range(context.num_groups))
+    announced = False
+    while True:
+        try:
+            status = read_status(context.lighthouse)
+        except StatusPageUnreadable as error:
+            log.warning(
+                "lightning-ft: cannot tell which replica groups are up (%s); starting without waiting for them", error
+            )
+            return None, ()
+        present = status.fresh_groups(context.prefix) | {context.group}
+        missing = tuple(sorted(everyone - present))
+        under_way = bool(status.live_member_steps(context.prefix, context.group))
+        if not missing or under_way:
+            if announced:
+                events.emit("groups_joined", waited_s=round(clock() - started, 3))
+            return status, ()
+        if clock() - started >= context.start_timeout_s:
+            if context.start_timeout_s > 0:
+                log.warning(
+                    "lightning-ft: replica groups %s did not start within start_timeout=%gs; the job starts with "
+                    "groups %s. The missing groups join and heal from a live peer when they start.",
+                    list(missing),
+                    context.start_timeout_s,
+                    sorted(present),
+                )
+                events.emit("start_timeout_expired", missing=list(missing), waited_s=round(clock() - started, 3))
+            return status, missing
+        if not announced:
+            announced = True
+            log.info(
+                "lightning-ft: waiting up to %gs for replica groups %s to start", context.start_timeout_s, list(missing)
+            )
+            events.emit("waiting_for_groups", missing=list(missing))
+        sleep(POLL_INTERVAL_S)
