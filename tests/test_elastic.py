@@ -97,7 +97,8 @@ def test_a_late_group_joins_heals_adds_throughput_and_leaves_for_good(tmp_path):
         root,
         groups=2,
         worker_args=[f"--max-steps={max_steps}", *GATES],
-        launcher_args=[f"--lighthouse-bind=127.0.0.1:{port}", "--group-ids=0"],
+        # --start-timeout=0: the job starts with the groups present instead of waiting for group 1.
+        launcher_args=[f"--lighthouse-bind=127.0.0.1:{port}", "--group-ids=0", "--start-timeout=0"],
         log_name="first.log",
     )
     late: LaunchedJob | None = None

@@ -90,7 +90,8 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
         root,
         groups=3,
         worker_args=worker_args,
-        launcher_args=[f"--lighthouse-bind=127.0.0.1:{port}", "--group-ids=0,1"],
+        # --start-timeout=0: the job starts with groups 0 and 1 instead of waiting for group 2.
+        launcher_args=[f"--lighthouse-bind=127.0.0.1:{port}", "--group-ids=0,1", "--start-timeout=0"],
         log_name="first.log",
     )
     late: LaunchedJob | None = None
