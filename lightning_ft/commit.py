@@ -57,8 +57,10 @@ class StepProtocol:
         self.non_finite_skips = 0
         # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.left_behind).
         self.left_behind: LeftBehindWatch | None = None
-        # The job's newest checkpoint step, which this process's first quorum must reach (lightning_ft.job_start).
+        # A step the job had already reached (its newest checkpoint, lightning_ft.job_start), which this process's
+        # first quorum must reach, and where that step is from.
         self.floor_step: int | None = None
+        self.floor_source = "the job's newest checkpoint"
 
     @property
     def quorum_open(self) -> bool:
@@ -108,9 +110,10 @@ class StepProtocol:
             return
         events.emit("behind_checkpoint", step=step, checkpoint_step=floor_step)
         raise JobBehindCheckpointError(
-            f"lightning-ft: the replica groups of this quorum are at committed step {step}, behind the job's newest "
-            f"checkpoint at step {floor_step}: the live peer this group expected to heal from is gone. Stopping so "
-            f"that this group's restart resumes the job from that checkpoint instead of training from older state."
+            f"lightning-ft: the replica groups of this quorum are at committed step {step}, behind step {floor_step} "
+            f"that the job had already reached ({self.floor_source}): the live peer this group expected to heal from "
+            f"is gone. Stopping so that this group's restart resumes the job from its newest durable state (or stops "
+            f"if it has none) instead of training the job from an older state."
         )
 
     def require_quorum(self) -> None:

@@ -20,7 +20,9 @@ process and before the first quorum, on the group's rank 0 (the decision is broa
    to an older state.
 4. **No record at all.** A restarted group (a torchrun restart, or a new process joining a job whose last quorum it
    can see) that finds no live peer after waiting ``start_timeout`` stops with :class:`NoLivePeerError`: training
-   on alone would start the job over from this group's initial weights.
+   on alone would start the job over from this group's initial weights. If it found one, its first quorum must
+   reach the step of the job's last quorum, as in 3: if that peer died meanwhile, the group stops, and its restart
+   finds no live peer.
 
 What the lighthouse knows comes from its status page (:mod:`lightning_ft.lighthouse_status`). If it cannot be read,
 the group warns once and starts without waiting, as before this module.
@@ -56,7 +58,8 @@ class NoLivePeerError(RuntimeError):
 
 
 class JobBehindCheckpointError(RuntimeError):
-    """The groups of this group's first quorum are behind the job's newest checkpoint."""
+    """The groups of this group's first quorum are behind a step the job had already reached (its newest checkpoint,
+    or its last quorum's step when it keeps no checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,10 @@ class StartDecision:
     """What the group does before its first quorum (picklable: it is broadcast inside the group)."""
 
     resume_from: Path | None = None
-    # The lowest committed step the group's first quorum may have: the job's newest checkpoint.
+    # The lowest committed step the group's first quorum may have: the job's newest checkpoint or, for a restarted
+    # group of a job that keeps none, the step the job's last quorum reached.
     floor_step: int | None = None
+    floor_source: str = ""
     error: str | None = None
     missing_groups: tuple[int, ...] = field(default_factory=tuple)
 
@@ -124,9 +129,13 @@ def decide_start(
     job_seen_before = context.attempt > 0 or bool(status and status.has_members_of(context.prefix))
     newest = context.record.newest()
     if newest is None:
-        if not context.record.exists and job_seen_before and not live_peers and context.lighthouse is not None:
-            if status is None:  # nothing known: the group cannot tell, so it does what it did before
-                return StartDecision(missing_groups=missing)
+        if not context.record.exists and job_seen_before and context.lighthouse is not None and status is not None:
+            if live_peers:
+                # The job's last quorum reached this step; a first quorum below it means the peers died meanwhile.
+                reached = max(status.previous_quorum.values(), default=0)
+                return StartDecision(
+                    floor_step=reached or None, floor_source="the job's last quorum", missing_groups=missing
+                )
             return StartDecision(
                 missing_groups=missing,
                 error=(
@@ -140,9 +149,10 @@ def decide_start(
             )
         return StartDecision(missing_groups=missing)
     ahead = status.live_member_steps(context.prefix, context.group) if status else []
+    source = f"the job's newest checkpoint, {newest.path}"
     if ahead and max(ahead) >= newest.step:
-        return StartDecision(floor_step=newest.step, missing_groups=missing)
-    return StartDecision(resume_from=newest.path, floor_step=newest.step, missing_groups=missing)
+        return StartDecision(floor_step=newest.step, floor_source=source, missing_groups=missing)
+    return StartDecision(resume_from=newest.path, floor_step=newest.step, floor_source=source, missing_groups=missing)
 
 
 def _wait_for_groups(

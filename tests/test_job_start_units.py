@@ -232,6 +232,16 @@ def test_a_restarted_group_without_a_record_or_a_peer_gets_the_error_after_waiti
     assert fresh_start.error is None  # a job's first start with one group up is not an error
 
 
+def test_a_restarted_group_without_a_record_must_reach_the_step_of_the_jobs_last_quorum():
+    live_peer = LighthouseStatus(
+        quorum_id=3, previous_quorum={replica(1): 40}, heartbeats={replica(1): True, replica(0): True}
+    )
+    clock = FakeClock()
+    decision = decide_start(context(attempt=1), scripted(live_peer), clock, clock.sleep)
+    assert decision.error is None and decision.resume_from is None
+    assert decision.floor_step == 40 and decision.floor_source == "the job's last quorum"
+
+
 # ---------------------------------------------------------------- the first quorum's floor
 class FakeManager:
     def __init__(self, step_after_quorum: int, errored: bool = False) -> None:
@@ -255,7 +265,9 @@ class FakeManager:
 def test_a_first_quorum_behind_the_checkpoint_stops_the_group():
     protocol = StepProtocol(FakeManager(step_after_quorum=0))
     protocol.floor_step = 20
-    with pytest.raises(JobBehindCheckpointError, match="at committed step 0, behind the job's newest checkpoint"):
+    with pytest.raises(
+        JobBehindCheckpointError, match="at committed step 0, behind step 20 that the job had already reached"
+    ):
         protocol.open_quorum()
 
 
