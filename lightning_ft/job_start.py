@@ -129,7 +129,9 @@ def decide_start(
     job_seen_before = context.attempt > 0 or bool(status and status.has_members_of(context.prefix))
     newest = context.record.newest()
     if newest is None:
-        if not context.record.exists and job_seen_before and context.lighthouse is not None and status is not None:
+        # (A job of one group has no peer to heal from: its restart starts over, as a torchrun restart would.)
+        peers_expected = context.num_groups > 1 and context.lighthouse is not None
+        if not context.record.exists and job_seen_before and peers_expected and status is not None:
             if live_peers:
                 # The job's last quorum reached this step; a first quorum below it means the peers died meanwhile.
                 reached = max(status.previous_quorum.values(), default=0)

@@ -887,10 +887,11 @@ class FTStrategy(DDPStrategy):
         step = int(checkpoint.get("global_step", 0))
         refusal = self._job_record.refuse_save(filepath, step) if self.global_rank == 0 else None
         if self.broadcast(refusal) is not None:
-            if not self._refused_a_save:
-                self._refused_a_save = True
-                log.warning("lightning-ft: not writing %s: %s.", filepath, refusal)
-            events.emit("checkpoint_refused", path=str(filepath), step=step)
+            if self.is_checkpoint_writer:  # the others would not have written it anyway
+                if not self._refused_a_save:
+                    self._refused_a_save = True
+                    log.warning("lightning-ft: not writing %s: %s.", filepath, refusal)
+                events.emit("checkpoint_refused", path=str(filepath), step=step)
             return
         save_own_position(checkpoint, filepath, self.replica_group_id, self.global_rank)
         if self.is_checkpoint_writer:

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 from lightning_ft.commit import StepProtocol
@@ -230,6 +231,8 @@ def test_a_restarted_group_without_a_record_or_a_peer_gets_the_error_after_waiti
     clock = FakeClock()
     fresh_start = decide_start(context(), scripted(ALONE), clock, clock.sleep)
     assert fresh_start.error is None  # a job's first start with one group up is not an error
+    one_group = decide_start(context(num_groups=1, attempt=1), scripted(ALONE), clock, clock.sleep)
+    assert one_group.error is None  # a job of one group has no peer to wait for
 
 
 def test_a_restarted_group_without_a_record_must_reach_the_step_of_the_jobs_last_quorum():
@@ -311,3 +314,49 @@ def test_start_timeout_from_the_argument_the_environment_or_the_default(monkeypa
         resolve_settings(**base)
     with pytest.raises(FTConfigError, match="start_timeout=-1: must be 0 or more seconds"):
         resolve_settings(**base, start_timeout=-1)
+
+
+# ---------------------------------------------------------------- in a real fit (one group, embedded lighthouse)
+def fit(root: Path, max_steps: int, every: int, ckpt_path: str | None = None) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ft import FTStrategy
+
+    trainer = pl.Trainer(
+        strategy=FTStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1, save_last=True)],
+    )
+    trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+
+
+@pytest.mark.timeout(180)
+def test_a_writer_behind_the_job_writes_nothing_and_a_finished_job_is_not_trained_again(tmp_path, caplog):
+    fit(tmp_path, max_steps=10, every=5)
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / ".lightning_ft" / "finished.json").exists()
+    written = {path.name: path.stat().st_mtime_ns for path in ckpt.glob("*.ckpt")}
+
+    with pytest.raises(SystemExit) as exited:  # the same job again: it has finished
+        fit(tmp_path, max_steps=10, every=1)
+    assert exited.value.code == 0
+    assert {path.name: path.stat().st_mtime_ns for path in ckpt.glob("*.ckpt")} == written
+    assert "already finished at committed step 10" in caplog.text
+
+    # Continued from an older checkpoint with a larger limit: steps 6..9 are behind the job's step 10 and are not
+    # written (one warning); from step 10 on, saves go ahead.
+    caplog.clear()
+    fit(tmp_path, max_steps=12, every=1, ckpt_path=str(ckpt / "epoch=0-step=5.ckpt"))
+    names = sorted(path.name for path in ckpt.glob("*.ckpt"))
+    assert not [name for name in names if name in {f"epoch=0-step={s}.ckpt" for s in range(6, 10)}], names
+    assert {"epoch=0-step=11.ckpt", "epoch=0-step=12.ckpt"} <= set(names)
+    assert caplog.text.count("not writing") == 1
+    assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 12
