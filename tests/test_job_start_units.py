@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lighthouse_restart import FakeClock
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 from lightning_ft.commit import StepProtocol
@@ -111,17 +112,6 @@ def test_durable_directories_are_the_ones_every_group_resolves_alike(tmp_path):
 
 
 # ---------------------------------------------------------------- the decision, with a scripted lighthouse
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def context(tmp_path: Path | None = None, **overrides) -> StartContext:
     values = dict(
         group=0,
