@@ -79,6 +79,10 @@ def test_a_healed_group_continues_its_own_shard_at_its_peers_batch_index(launch,
         ],
     )
     start_together(job, groups=2, nproc=1)
+    # A step's ``batch`` event comes after its ``step`` event: wait for the batches, so that the kill (which follows
+    # three committed steps) cannot land between a step and its batch event and leave fewer than three batches.
+    first = job.worker_pid(1, 0)
+    job.wait_for("group 1 to record 3 batches", lambda: len(batches(job, first)) >= 3)
     kill_and_restart(job, victim=1, rank=0, survivor=0)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)  # bit-identical replicas, exact step count
 
