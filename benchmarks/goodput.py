@@ -39,7 +39,7 @@ from typing import Any
 
 from run_util import BENCH, LIGHTNING_FT, RESULTS, bench_env, machine, median
 
-from lightning_ft_cli.events import read_events
+from lightning_ft_job.events import read_events
 
 WORLD = 3
 BATCH = 64

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_lm import CONTEXT, TinyLM, corpus_digest, held_out_loss, load_corpus, parameter_count
 
-from lightning_ft_cli.events import read_events
+from lightning_ft_job.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "semi_sync_worker.py"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_ft_cli.events import read_events
+from lightning_ft_job.events import read_events
 
 HERE = Path(__file__).resolve().parent
 

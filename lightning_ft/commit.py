@@ -28,7 +28,7 @@ from torchft import Manager
 from lightning_ft.job_start import JobBehindCheckpointError
 from lightning_ft.left_behind import LeftBehindWatch, set_aside_process_group
 from lightning_ft.telemetry import FTTelemetry
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger(__name__)
 

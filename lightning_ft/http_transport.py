@@ -36,7 +36,7 @@ from torchft.checkpointing import HTTPTransport
 from typing_extensions import override
 
 from lightning_ft.checkpoint_io import refused_global
-from lightning_ft_cli.addresses import family_of, is_loopback, numeric_host, url_host
+from lightning_ft_job.addresses import family_of, is_loopback, numeric_host, url_host
 
 
 class RefusedPeerStateError(RuntimeError):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from lightning_ft.job_record import FinishedJob, JobRecord
 from lightning_ft.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

@@ -51,7 +51,7 @@ import torch
 from torchft import Manager
 
 from lightning_ft.lighthouse_status import STATUS_TIMEOUT_S, StatusPageUnreadable, read_lighthouse_status
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
 from torch.distributed import Store, TCPStore
 
 from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo
-from lightning_ft_cli.addresses import family_of, is_loopback, numeric_host, url_host
+from lightning_ft_job.addresses import family_of, is_loopback, numeric_host, url_host
 
 
 def group_store(hostname: str) -> TCPStore:

@@ -56,8 +56,8 @@ from lightning_ft.local_vote import vote_locally
 from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.settings import FTSettings
 from lightning_ft.telemetry import TimedTransport
-from lightning_ft_cli.addresses import is_loopback, numeric_host
-from lightning_ft_cli.lighthouse_server import EmbeddedLighthouse, start_lighthouse
+from lightning_ft_job.addresses import is_loopback, numeric_host
+from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning_ft_cli.addresses import LOOPBACK, interface_address
-from lightning_ft_cli.environment import (
+from lightning_ft_job.addresses import LOOPBACK, interface_address
+from lightning_ft_job.environment import (
     ENV_HOSTNAME,
     ENV_INTERFACE,
     ENV_LIGHTHOUSE,

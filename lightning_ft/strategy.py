@@ -46,7 +46,7 @@ What fault tolerance did
 Each group measures its own quorum waits, heals and votes (:mod:`lightning_ft.telemetry`, no cross-group traffic);
 :class:`~lightning_ft.callbacks.FaultToleranceMonitor` logs them as ``ft/`` metrics and shows ``replicas P/N`` in the
 progress bar, and every process writes an event log under ``default_root_dir/ft_events``
-(:mod:`lightning_ft_cli.events`) that ``lightning-ft report`` draws. See ``docs/observability.md``.
+(:mod:`lightning_ft_job.events`) that ``lightning-ft report`` draws. See ``docs/observability.md``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.state import state_fingerprint
 from lightning_ft.telemetry import FTTelemetry
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from torchft import Manager
 from torchft.checkpointing import CheckpointTransport
 
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 T = TypeVar("T")
 

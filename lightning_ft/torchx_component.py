@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from torchx import specs
 
-from lightning_ft_cli.torchrun import group_variables, torchrun_arguments
+from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
 LIGHTHOUSE_ROLE = "lighthouse"
 

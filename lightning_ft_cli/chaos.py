@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_ft_cli.events import read_events
 from lightning_ft_cli.processes import parent_pid
+from lightning_ft_job.events import read_events
 
 
 @dataclass(frozen=True)

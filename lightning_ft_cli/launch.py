@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import IO
 from urllib.parse import urlsplit
 
-from lightning_ft_cli.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft_cli.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
-from lightning_ft_cli.events import ENV_EVENTS_DIR
-from lightning_ft_cli.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
 from lightning_ft_cli.processes import children_of
-from lightning_ft_cli.torchrun import group_variables, torchrun_arguments
+from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
+from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
+from lightning_ft_job.events import ENV_EVENTS_DIR
+from lightning_ft_job.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
+from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
 STOP_GRACE_SECONDS = 10.0
 

@@ -6,7 +6,7 @@ import argparse
 import signal
 import threading
 
-from lightning_ft_cli.lighthouse_server import start_lighthouse
+from lightning_ft_job.lighthouse_server import start_lighthouse
 
 # torchft's own defaults, sized for a cluster: a dead group is declared dead after 5 s without a heartbeat.
 CLUSTER_JOIN_TIMEOUT_MS = 60000

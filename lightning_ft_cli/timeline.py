@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_ft_cli.events import DEFAULT_SUBDIR, FILE_PATTERN, read_events
+from lightning_ft_job.events import DEFAULT_SUBDIR, FILE_PATTERN, read_events
 
 
 @dataclass(frozen=True)

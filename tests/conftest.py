@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import LaunchedJob, launch_job
 
-from lightning_ft_cli.events import ENV_EVENTS_DIR
+from lightning_ft_job.events import ENV_EVENTS_DIR
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_ft_cli.events import read_events
+from lightning_ft_job.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "train_worker.py"

@@ -186,7 +186,7 @@ def test_the_command_line_tool_imports_neither_lightning_nor_torch_and_its_light
     script = (
         "import sys\n"
         "import lightning_ft_cli.main, lightning_ft_cli.launch, lightning_ft_cli.lighthouse, lightning_ft_cli.report\n"
-        "from lightning_ft_cli.lighthouse_server import start_lighthouse\n"
+        "from lightning_ft_job.lighthouse_server import start_lighthouse\n"
         "lighthouse = start_lighthouse(min_replicas=1)\n"
         "heavy = sorted(name for name in ('torch', 'torchft', 'lightning', 'lightning_ft') if name in sys.modules)\n"
         "print('HEAVY', heavy, flush=True)\n"

@@ -24,7 +24,7 @@ from lightning_ft.left_behind import (
     lighthouse_quorum_id,
     set_aside_process_group,
 )
-from lightning_ft_cli.lighthouse_server import start_lighthouse
+from lightning_ft_job.lighthouse_server import start_lighthouse
 
 LIGHTHOUSE = "http://lighthouse.invalid:1"
 REPO = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ from harness import listening_sockets
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ft import FTStrategy
-from lightning_ft_cli.addresses import is_loopback
-from lightning_ft_cli.environment import ENV_HOSTNAME
 from lightning_ft_cli.launch import local_listener_environment
+from lightning_ft_job.addresses import is_loopback
+from lightning_ft_job.environment import ENV_HOSTNAME
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ft import FaultToleranceMonitor, FTStrategy
 from lightning_ft.telemetry import FTTelemetry, TimedTransport
 from lightning_ft_cli import report
-from lightning_ft_cli.events import ENV_EVENTS_DIR, read_events, resolve_directory
 from lightning_ft_cli.launch import status_page_line
 from lightning_ft_cli.timeline import NoEventLogError, load_timeline
+from lightning_ft_job.events import ENV_EVENTS_DIR, read_events, resolve_directory
 
 pytestmark = pytest.mark.timeout(240)
 

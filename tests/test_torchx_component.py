@@ -15,7 +15,7 @@ from torchx.runner import get_runner
 from torchx.specs import AppState
 
 from lightning_ft.torchx_component import ft_job
-from lightning_ft_cli.events import read_events
+from lightning_ft_job.events import read_events
 
 pytestmark = [pytest.mark.multiprocess]
 

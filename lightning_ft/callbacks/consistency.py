@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.settings import FTConfigError
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger(__name__)
 OnDivergence = Literal["heal", "stop"]

@@ -21,7 +21,7 @@ from lightning_ft.data_position import (
     resume_fetcher,
     supports_repositioning,
 )
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 

@@ -12,7 +12,7 @@ from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
 from lightning_ft.data_position import LoopPosition, align_with_peer
 from lightning_ft.exactly_once import ExactlyOnceData
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 
 class ExactlyOnceDataCallback(Callback):

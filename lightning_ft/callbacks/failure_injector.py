@@ -41,8 +41,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.settings import FTConfigError
-from lightning_ft_cli import events
-from lightning_ft_cli.environment import ENV_REPLICA_GROUP_ID
+from lightning_ft_job import events
+from lightning_ft_job.environment import ENV_REPLICA_GROUP_ID
 
 FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "stuck")
 FAILURE_MOMENTS = ("batch_start", "allreduce")

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
 from lightning_ft.exactly_once import ExactlyOnceData
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 PREFIX = "ft/"
 

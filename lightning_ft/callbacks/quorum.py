@@ -12,7 +12,7 @@ from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
 from lightning_ft.callbacks.monitor import loss_of
 from lightning_ft.hsdp.shards import holds_shards
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 
 class QuorumCallback(Callback):

@@ -20,7 +20,7 @@ from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.settings import FTConfigError
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 SYNC_STATE_KEY = "semi_sync"
 DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"

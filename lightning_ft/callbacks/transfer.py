@@ -19,7 +19,7 @@ from lightning_ft.state import (
     capture_training_state,
     check_training_state,
 )
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 # A child of Lightning's logger, so it prints wherever Lightning's messages do, but on every group: a heal is news
 # about this group, and Lightning's rank-zero messages come from group 0 only.

@@ -24,7 +24,7 @@ from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
 from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
-from lightning_ft_cli import events
+from lightning_ft_job import events
 
 
 class Regressor(pl.LightningModule):

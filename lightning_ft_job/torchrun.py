@@ -7,7 +7,7 @@ cannot drift apart.
 
 from __future__ import annotations
 
-from lightning_ft_cli.environment import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
+from lightning_ft_job.environment import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_GROUP_ID
 
 
 def torchrun_arguments(nproc_per_group: int, max_restarts: int) -> list[str]:
