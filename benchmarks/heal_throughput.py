@@ -5,10 +5,10 @@ transport's throughput bounds how long the job runs a replica short after a rest
 least 1 GB/s on loopback (1 GB = 1e9 bytes). Transports measured, each as lightning-ft builds it
 (:func:`lightning_ft.manager.checkpoint_transport` for a group that advertises loopback):
 
-* ``http``: :class:`lightning_ft.http_transport.CheckpointHTTPTransport`, torchft's HTTP transport loading with
+* ``http``: :class:`lightning_ft.manager.http_transport.CheckpointHTTPTransport`, torchft's HTTP transport loading with
   ``weights_only=True``, served on 127.0.0.1, unchunked (``num_chunks=0``, as the Manager builds it);
 * ``pg``: torchft's ``PGTransport`` over torchft's reconfigurable Gloo process group
-  (:class:`lightning_ft.listeners.AddressedProcessGroupGloo` bound to 127.0.0.1), received into new tensors, as
+  (:class:`lightning_ft.manager.listeners.AddressedProcessGroupGloo` bound to 127.0.0.1), received into new tensors, as
   lightning-ft configures it;
 * ``pg-inplace``: the same, with PGTransport's ``state_dict`` callback, so the tensors are received into the
   receiver's existing (already resident) tensors. lightning-ft does not use this mode; it is here for comparison.
@@ -101,14 +101,14 @@ class Transports:
     def get(self, kind: str, inplace: dict[str, torch.Tensor] | None = None) -> Any:
         if kind == "http":
             if self._http is None:
-                from lightning_ft.http_transport import CheckpointHTTPTransport
+                from lightning_ft.manager.http_transport import CheckpointHTTPTransport
 
                 self._http = CheckpointHTTPTransport(HOST, timeout=TIMEOUT)
             return self._http
         from torchft.checkpointing.pg_transport import PGTransport
 
         if self._pg is None:
-            from lightning_ft.listeners import AddressedProcessGroupGloo
+            from lightning_ft.manager.listeners import AddressedProcessGroupGloo
 
             self._pg = AddressedProcessGroupGloo(HOST, timeout=TIMEOUT)
             self._pg.configure(
@@ -239,7 +239,7 @@ def deadline_seconds(configs: list[tuple[str, int]], repeats: int) -> float:
 def run_pair(configs: list[tuple[str, int]], repeats: int, scratch: Path) -> list[dict[str, Any]]:
     """Start a sender and a receiver for every configuration, wait for both, stop any left over; the receiver's
     records."""
-    from lightning_ft.listeners import group_store
+    from lightning_ft.manager.listeners import group_store
 
     result = scratch / "receiver.json"
     store = group_store(HOST)  # on loopback only, on a free port

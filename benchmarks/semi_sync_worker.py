@@ -45,7 +45,7 @@ def loopback_bytes(net_dev: str = "/proc/self/net/dev") -> tuple[int, int]:
 class AllreduceCounter:
     """Wraps the allreduce of a Manager's cross-group process group (an instance attribute shadowing the method)
     and counts its payloads: every cross-group allreduce passes there, ``Manager.allreduce``'s and the DDP comm
-    hook's (``lightning_ft.comm.cross_group_average``)."""
+    hook's (``lightning_ft.step.gradient_hooks.cross_group_average``)."""
 
     def __init__(self) -> None:
         self.calls = 0

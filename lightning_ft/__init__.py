@@ -3,6 +3,8 @@
 Importing this package registers ``"ft"`` in Lightning's strategy registry, so ``Trainer(strategy="ft")`` works.
 """
 
+import sys
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ft.callbacks import (
@@ -15,13 +17,16 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
-from lightning_ft.lighthouse_outage import LighthouseUnavailableError
+from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
 
 __version__ = "0.1.0.dev0"
 
 FTStrategy.register_strategies(StrategyRegistry)
+
+# Import paths that the docs of earlier releases showed, kept working after their modules moved.
+sys.modules.setdefault("lightning_ft.comm", sys.modules["lightning_ft.step.gradient_hooks"])
 
 __all__ = [
     "DataPositionCallback",

@@ -84,7 +84,7 @@ class FTSettings:
     # torchft's WorldSizeMode: "dynamic" averages over every participating group; "fixed_with_spares" lets exactly
     # min_replica_size groups contribute, the others are spares that stay healed and contribute zero.
     world_size_mode: str = "dynamic"
-    # How long the first committed step waits for every group to start (lightning_ft.job_start); 0: not at all.
+    # How long the first committed step waits for every group to start (lightning_ft.start.decision); 0: not at all.
     start_timeout: timedelta = timedelta(seconds=DEFAULT_START_TIMEOUT_S)
 
     @property
@@ -105,7 +105,7 @@ class FTSettings:
         """The address this group gives its peers for healing, its store and its ManagerServer.
 
         A job with the embedded lighthouse on one node has no peers on other machines, so it advertises (and binds,
-        see :mod:`lightning_ft.listeners`) loopback. Otherwise the machine's hostname, as torchft does.
+        see :mod:`lightning_ft.manager.listeners`) loopback. Otherwise the machine's hostname, as torchft does.
         """
         if self.hostname is not None:
             return self.hostname

@@ -13,11 +13,11 @@ One optimizer step
 1. ``QuorumCallback.on_train_batch_start`` opens the step's quorum (once per accumulation window). With synchronous
    quorum, a group that is behind heals here, before its forward pass.
 2. Forward and backward run as usual. DDP reduces gradients inside the group; its comm hook
-   (:func:`~lightning_ft.comm.ft_allreduce_hook`) then averages them across groups through the Manager. With
+   (:func:`~lightning_ft.step.gradient_hooks.ft_allreduce_hook`) then averages them across groups through the Manager. With
    ``data_parallel="fsdp"`` (HSDP, :mod:`lightning_ft.hsdp`), FSDP2 reduce-scatters inside the group instead and its
-   all-reduce hook (:func:`~lightning_ft.comm.fsdp_cross_group_hook`) averages each rank's shard across groups.
+   all-reduce hook (:func:`~lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`) averages each rank's shard across groups.
 3. :meth:`FTStrategy.optimizer_step` hands the precision plugin a
-   :class:`~lightning_ft.commit.CommitGatedOptimizer`: clipping, ``on_before_optimizer_step`` and GradScaler run as
+   :class:`~lightning_ft.step.protocol.CommitGatedOptimizer`: clipping, ``on_before_optimizer_step`` and GradScaler run as
    usual, then the real optimizer steps only if ``should_commit()`` agrees. With asynchronous quorum, a group that is
    behind heals inside that vote and then applies the averaged gradient of its peers.
 4. ``QuorumCallback.on_train_batch_end`` sets ``trainer.global_step`` to the Manager's committed step count, and
@@ -32,7 +32,7 @@ Failure semantics
 * A process dying inside a group: the group's own collectives fail and the whole group exits; its launcher
   (``torchrun --max-restarts``) restarts it and it heals from a live peer. The group is the unit of failure.
 * The lighthouse going away: every group stalls at its next quorum with one warning, and resumes at the same step
-  once a lighthouse is back at the same address (``lighthouse_outage_timeout``, :mod:`lightning_ft.lighthouse_outage`).
+  once a lighthouse is back at the same address (``lighthouse_outage_timeout``, :mod:`lightning_ft.manager.lighthouse_outage`).
 * Never committed twice, never silently different: a healed group holds its peer's exact bytes.
 
 One job, one writer
@@ -43,7 +43,7 @@ dies), and Lightning's rank-zero rule (loggers, rank-zero messages) applies to r
 
 What fault tolerance did
 ------------------------
-Each group measures its own quorum waits, heals and votes (:mod:`lightning_ft.telemetry`, no cross-group traffic);
+Each group measures its own quorum waits, heals and votes (:mod:`lightning_ft.manager.telemetry`, no cross-group traffic);
 :class:`~lightning_ft.callbacks.FaultToleranceMonitor` logs them as ``ft/`` metrics and shows ``replicas P/N`` in the
 progress bar, and every process writes an event log under ``default_root_dir/ft_events``
 (:mod:`lightning_ft_job.events`) that ``lightning-ft report`` draws. See ``docs/observability.md``.
@@ -76,20 +76,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torchft import Manager, ProcessGroupGloo
+from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft.algorithms import AlgorithmSettings, OuterOptimizerFactory, resolve_algorithm
 from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
-from lightning_ft.collectives import CrossGroupCollectives
-from lightning_ft.comm import FTCommState, fsdp_cross_group_hook, ft_allreduce_hook
-from lightning_ft.commit import CommitGatedOptimizer, StepProtocol
-from lightning_ft.exactly_once import ExactlyOnceData, StepPlacement, exactly_once_loader, resolve_data_mode
+from lightning_ft.data.placement import ExactlyOnceData, StepPlacement, exactly_once_loader, resolve_data_mode
+from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.hsdp import checkpoint as sharded_checkpoint
 from lightning_ft.hsdp.config import DataParallelSettings, resolve_data_parallel
 from lightning_ft.hsdp.sharding import fsdp_modules, group_mesh, is_sharded, shard_module
-from lightning_ft.job_record import JobRecord, durable_checkpoint_dirs
-from lightning_ft.job_start import (
+from lightning_ft.manager import ManagerHandle, build_manager
+from lightning_ft.manager.internals import crosses_groups_over_gloo
+from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
+from lightning_ft.signals import SigtermDeadline
+from lightning_ft.start.decision import (
     JobAlreadyFinished,
     NoLivePeerError,
     StartContext,
@@ -98,13 +100,12 @@ from lightning_ft.job_start import (
     decide_start,
     finished_job,
 )
-from lightning_ft.left_behind import LeftBehindWatch
-from lightning_ft.manager import ManagerHandle, build_manager
-from lightning_ft.position_sidecars import remove_sidecars, save_own_position, use_own_position
-from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
-from lightning_ft.signals import SigtermDeadline
+from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.state import state_fingerprint
-from lightning_ft.telemetry import FTTelemetry
+from lightning_ft.step.collectives import CrossGroupCollectives
+from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook, ft_allreduce_hook
+from lightning_ft.step.left_behind import LeftBehindWatch
+from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -172,7 +173,7 @@ class FTStrategy(DDPStrategy):
             sampler does the same); a dead group's shard is skipped until it is back, and a healed group goes on in
             its own shard from its peer's batch index. ``"exactly_once"``: each committed step reads the next
             ``participants × group size × batch_size`` samples of one permutation per epoch, so no sample of an
-            epoch is skipped or read twice whoever dies or joins (:mod:`lightning_ft.exactly_once`). It needs
+            epoch is skipped or read twice whoever dies or joins (:mod:`lightning_ft.data.placement`). It needs
             synchronous quorum (the default in that mode), ``algorithm="ddp"``, a map-style dataset and
             ``accumulate_grad_batches=1``. See ``docs/elasticity.md``.
         algorithm: How groups synchronise: ``"ddp"`` (gradients every step), ``"local_sgd"`` (parameters every
@@ -368,7 +369,7 @@ class FTStrategy(DDPStrategy):
 
     @property
     def collectives(self) -> CrossGroupCollectives:
-        """Job-wide reductions over every participating replica (see :mod:`lightning_ft.collectives`)."""
+        """Job-wide reductions over every participating replica (see :mod:`lightning_ft.step.collectives`)."""
         if self._collectives is None:
             raise RuntimeError("FTStrategy.collectives is only available after setup_environment().")
         return self._collectives
@@ -381,7 +382,7 @@ class FTStrategy(DDPStrategy):
 
     @property
     def telemetry(self) -> FTTelemetry:
-        """This group's fault-tolerance figures (quorum waits, heals, votes; see :mod:`lightning_ft.telemetry`)."""
+        """This group's fault-tolerance figures (quorum waits, heals, votes; see :mod:`lightning_ft.manager.telemetry`)."""
         if self._telemetry is None:
             raise RuntimeError("FTStrategy.telemetry is only available while fitting, validating or testing.")
         return self._telemetry
@@ -478,7 +479,7 @@ class FTStrategy(DDPStrategy):
         batches = trainer.fit_loop.epoch_loop.batch_progress.total.ready if self._protocol is not None else 0
         return step, trainer.current_epoch if self._protocol is not None else 0, batches
 
-    # ------------------------------------------------------------------ one job, one model (lightning_ft.job_start)
+    # ------------------------------------------------------------------ one job, one model (lightning_ft.start.decision)
     def _exit_if_job_finished(self, trainer: pl.Trainer) -> None:
         """A group started after its job finished exits 0 at once: no training, logging or checkpoint."""
         self._job_record = JobRecord(durable_checkpoint_dirs(trainer))
@@ -692,7 +693,7 @@ class FTStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """With exactly-once data, the training loader reads the samples the committed state assigns (see
-        :mod:`lightning_ft.exactly_once`); other loaders are left alone."""
+        :mod:`lightning_ft.data.placement`); other loaders are left alone."""
         if not self._preparing_train_data:
             return super().process_dataloader(dataloader)
         settings = self.settings
@@ -767,8 +768,8 @@ class FTStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
-        gloo = isinstance(self.manager._pg, ProcessGroupGloo)
-        # With an external lighthouse there may be peers that go on without this group (lightning_ft.left_behind);
+        gloo = crosses_groups_over_gloo(self.manager)
+        # With an external lighthouse there may be peers that go on without this group (lightning_ft.step.left_behind);
         # the embedded one serves a single group.
         lighthouse = self.settings.lighthouse
         left_behind = LeftBehindWatch(self.manager, lighthouse) if gloo and lighthouse else None
@@ -809,7 +810,7 @@ class FTStrategy(DDPStrategy):
         """Reduce over every participating replica: inside the group, then across groups through the Manager.
 
         Across groups only where every group makes the same collectives (an optimizer step, validation and test,
-        an epoch end; see :mod:`lightning_ft.collectives`); elsewhere, and with an explicit ``group``, inside the
+        an epoch end; see :mod:`lightning_ft.step.collectives`); elsewhere, and with an explicit ``group``, inside the
         group as in DDP.
         """
         if not isinstance(tensor, Tensor) or group is not None or self._collectives is None:
@@ -880,10 +881,10 @@ class FTStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write only on the single checkpoint writer (see :attr:`is_checkpoint_writer`), crash-safely. Every rank
-        also writes its own data position beside it (see :mod:`lightning_ft.position_sidecars`).
+        also writes its own data position beside it (see :mod:`lightning_ft.data.sidecars`).
 
         Checkpoints only move forward: a state at a lower committed step than the newest one in the file's
-        directory is not written (one warning says why; :mod:`lightning_ft.job_record`)."""
+        directory is not written (one warning says why; :mod:`lightning_ft.start.record`)."""
         step = int(checkpoint.get("global_step", 0))
         refusal = self._job_record.refuse_save(filepath, step) if self.global_rank == 0 else None
         if self.broadcast(refusal) is not None:
@@ -961,7 +962,7 @@ class FTStrategy(DDPStrategy):
 
     def _record_the_end(self, trainer: pl.Trainer) -> None:
         """A fit that ended normally ended the job: each group's rank 0 says so in the job's record, so that a group
-        started after the end exits instead of training a new model (:mod:`lightning_ft.job_start`)."""
+        started after the end exits instead of training a new model (:mod:`lightning_ft.start.decision`)."""
         if self.global_rank != 0 or not self._job_record.exists or self._protocol is None:
             return
         if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:

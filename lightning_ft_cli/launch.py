@@ -153,7 +153,7 @@ def local_listener_environment(lighthouse: str, env: dict[str, str]) -> dict[str
     """Keep a one-machine job off the network: what to add to the groups' environment.
 
     A lighthouse on a loopback address is reachable from this machine only, so every group is on this machine too:
-    the groups advertise (and so bind, see :mod:`lightning_ft.listeners`) loopback, and Gloo's pairs bind to the
+    the groups advertise (and so bind, see :mod:`lightning_ft.manager.listeners`) loopback, and Gloo's pairs bind to the
     loopback interface. Values the user already set are kept.
     """
     host = urlsplit(lighthouse).hostname or ""

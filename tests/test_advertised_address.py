@@ -15,10 +15,10 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from lightning_ft import FTStrategy
-from lightning_ft.http_transport import CheckpointHTTPTransport
-from lightning_ft.listeners import AddressedProcessGroupGloo
-from lightning_ft.manager import checkpoint_transport, cross_group_process_group
-from lightning_ft.quorum_store import StoreCheckedProcessGroupGloo
+from lightning_ft.manager.builder import build_cross_group_process_group, checkpoint_transport
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport
+from lightning_ft.manager.listeners import AddressedProcessGroupGloo
+from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ def test_the_hostname_defaults_to_the_machine_name_and_is_not_bound_by_gloo(monk
     assert settings.hostname is None
     hostname = settings.advertised_hostname(num_nodes=1)
     assert hostname == socket.gethostname()
-    assert type(cross_group_process_group(settings, CPU, hostname)) is StoreCheckedProcessGroupGloo
+    assert type(build_cross_group_process_group(settings, CPU, hostname)) is StoreCheckedProcessGroupGloo
 
 
 def test_one_node_with_the_embedded_lighthouse_advertises_loopback(monkeypatch):
@@ -51,9 +51,9 @@ def test_the_environment_chooses_the_hostname_and_the_argument_wins(monkeypatch)
 def test_a_chosen_hostname_binds_gloo_unless_gloo_socket_ifname_is_set(monkeypatch):
     settings = FTStrategy(hostname="127.0.0.1").settings
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert isinstance(cross_group_process_group(settings, CPU, "127.0.0.1"), AddressedProcessGroupGloo)
+    assert isinstance(build_cross_group_process_group(settings, CPU, "127.0.0.1"), AddressedProcessGroupGloo)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # Gloo's own, more specific setting is honoured
-    assert type(cross_group_process_group(settings, CPU, "127.0.0.1")) is StoreCheckedProcessGroupGloo
+    assert type(build_cross_group_process_group(settings, CPU, "127.0.0.1")) is StoreCheckedProcessGroupGloo
 
 
 def test_the_gloo_group_bound_to_a_chosen_address_configures_and_reduces():

@@ -23,9 +23,9 @@ from torchft.manager import ExceptionWithTraceback
 
 from lightning_ft import FTStrategy
 from lightning_ft.checkpoint_io import UnreadableCheckpointError
-from lightning_ft.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
+from lightning_ft.data.sidecars import sidecar_path, use_own_position
 from lightning_ft.manager import FTManager
-from lightning_ft.position_sidecars import sidecar_path, use_own_position
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 
 pytestmark = pytest.mark.timeout(120)
 

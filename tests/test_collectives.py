@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from lightning_ft.collectives import CrossGroupCollectives
+from lightning_ft.step.collectives import CrossGroupCollectives
 
 
 class _Failure:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from lightning_ft.comm import FTCommState, ft_allreduce_hook
-from lightning_ft.commit import NonFiniteGradientError, QuorumNotStartedError, StepProtocol
+from lightning_ft.step.gradient_hooks import FTCommState, ft_allreduce_hook
+from lightning_ft.step.protocol import NonFiniteGradientError, QuorumNotStartedError, StepProtocol
 
 
 class PendingWork:
@@ -184,7 +184,7 @@ def test_a_healing_group_reads_the_peer_state_once_and_exactly():
 
     from torch.distributed._serialization import _streaming_save
 
-    from lightning_ft.http_transport import streaming_load_once
+    from lightning_ft.manager.http_transport import streaming_load_once
 
     matrix = torch.randn(7, 5)
     state = {

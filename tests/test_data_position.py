@@ -21,14 +21,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_ft import FTStrategy
 from lightning_ft.callbacks import DataPositionCallback, QuorumCallback
-from lightning_ft.data_position import (
+from lightning_ft.data.position import (
     LoopPosition,
     align_with_peer,
     iterator_position,
     reposition_fetcher,
     shift_batch_progress,
 )
-from lightning_ft.position_sidecars import (
+from lightning_ft.data.sidecars import (
     remove_sidecars,
     save_own_position,
     sidecar_dir,

@@ -19,7 +19,7 @@ from harness import LaunchedJob, assert_bit_identical
 from test_fault_tolerance import GATES, assert_outcome, kill_and_restart, start_together
 from torch.utils.data import DistributedSampler
 
-from lightning_ft.position_sidecars import sidecar_path
+from lightning_ft.data.sidecars import sidecar_path
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 

@@ -24,7 +24,7 @@ import pytest
 from harness import LaunchedJob, assert_bit_identical, launch_job
 from test_fault_tolerance import GATES, assert_outcome, kill_and_restart, start_together
 
-from lightning_ft.exactly_once import epoch_permutation
+from lightning_ft.data.placement import epoch_permutation
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -14,7 +14,7 @@ from test_step_semantics import trainer
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from lightning_ft import FTStrategy
-from lightning_ft.exactly_once import (
+from lightning_ft.data.placement import (
     ExactlyOnceData,
     ExactlyOnceSchedule,
     StepPlacement,

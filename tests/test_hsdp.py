@@ -18,8 +18,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_ft import FTConfigError, FTStrategy
-from lightning_ft.comm import fsdp_cross_group_hook
-from lightning_ft.commit import QuorumNotStartedError, StepProtocol
 from lightning_ft.hsdp.shards import SHARD_KEY
 from lightning_ft.state import (
     IncompatibleReplicaError,
@@ -27,6 +25,8 @@ from lightning_ft.state import (
     capture_training_state,
     state_fingerprint,
 )
+from lightning_ft.step.gradient_hooks import fsdp_cross_group_hook
+from lightning_ft.step.protocol import QuorumNotStartedError, StepProtocol
 
 pytestmark = pytest.mark.timeout(180)
 

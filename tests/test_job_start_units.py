@@ -1,5 +1,5 @@
-"""Unit tests of where a group starts from (lightning_ft.job_start), the job's durable record
-(lightning_ft.job_record) and the lighthouse's status page (lightning_ft.lighthouse_status)."""
+"""Unit tests of where a group starts from (lightning_ft.start.decision), the job's durable record
+(lightning_ft.start.record) and the lighthouse's status page (lightning_ft.manager.lighthouse_status)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import torch
 from test_lighthouse_restart import FakeClock
 from torchft._torchft import LighthouseClient, LighthouseServer
 
-from lightning_ft.commit import StepProtocol
-from lightning_ft.job_record import JobRecord, durable_checkpoint_dirs
-from lightning_ft.job_start import (
+from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft.settings import FTConfigError, resolve_settings
+from lightning_ft.start.decision import (
     JobBehindCheckpointError,
     StartContext,
     decide_start,
     finished_job,
 )
-from lightning_ft.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
-from lightning_ft.settings import FTConfigError, resolve_settings
+from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
+from lightning_ft.step.protocol import StepProtocol
 
 PREFIX = "lightning_ft_"
 

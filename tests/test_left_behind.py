@@ -1,4 +1,4 @@
-"""lightning_ft.left_behind: an allreduce the other groups have left behind is given up, not waited out.
+"""lightning_ft.step.left_behind: an allreduce the other groups have left behind is given up, not waited out.
 
 Unit tests drive :class:`LeftBehindWatch` with a fake Manager, a fake status-page reader and a fake clock, and real
 torch futures; one reads a real lighthouse's status page. The multi-process test (a group stuck in a real job's
@@ -17,12 +17,12 @@ import pytest
 import torch
 from workers.pending_gloo_worker import FakeManager
 
-from lightning_ft.left_behind import (
+from lightning_ft.manager.internals import set_aside_process_group
+from lightning_ft.step.left_behind import (
     CollectiveLeftBehindError,
     LeftBehindWatch,
     StatusPageUnreadable,
-    lighthouse_quorum_id,
-    set_aside_process_group,
+    lighthouse_quorum,
 )
 from lightning_ft_job.lighthouse_server import start_lighthouse
 
@@ -55,7 +55,7 @@ class Lighthouse:
 
 def make_watch(lighthouse: Lighthouse, manager: FakeManager | None = None) -> tuple[LeftBehindWatch, Clock]:
     clock = Clock()
-    watch = LeftBehindWatch(manager or FakeManager(), LIGHTHOUSE, read_quorum_id=lighthouse, clock=clock)
+    watch = LeftBehindWatch(manager or FakeManager(), LIGHTHOUSE, read_lighthouse_quorum=lighthouse, clock=clock)
     return watch, clock
 
 
@@ -129,7 +129,7 @@ def test_the_watchdog_thread_gives_up_on_its_own():
     """The real thread, real clock: an allreduce pending past check_after with a newer quorum is given up."""
     manager = FakeManager(quorum_id=0)
     lighthouse = Lighthouse(quorum_id=1)
-    watch = LeftBehindWatch(manager, LIGHTHOUSE, read_quorum_id=lighthouse, check_after=0.05, interval=0.05)
+    watch = LeftBehindWatch(manager, LIGHTHOUSE, read_lighthouse_quorum=lighthouse, check_after=0.05, interval=0.05)
     result = watch.track(torch.futures.Future(), torch.ones(1), doubled)
     try:
         result.wait()  # returns once the watchdog completes it; the test's timeout bounds it
@@ -141,7 +141,7 @@ def test_the_watchdog_thread_gives_up_on_its_own():
 def test_the_quorum_id_is_read_from_a_real_lighthouse_status_page():
     lighthouse = start_lighthouse(min_replicas=1)
     try:
-        assert lighthouse_quorum_id(lighthouse.address) == 0
+        assert lighthouse_quorum(lighthouse.address) == 0
     finally:
         lighthouse.shutdown()
 
@@ -151,7 +151,7 @@ def test_an_unreachable_lighthouse_is_unreadable_at_once():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, never listening: connections are refused
         with pytest.raises(StatusPageUnreadable, match=f"127.0.0.1:{port}/status"):
-            lighthouse_quorum_id(f"http://127.0.0.1:{port}", timeout=5)
+            lighthouse_quorum(f"http://127.0.0.1:{port}", timeout=5)
 
 
 class Wrapper:
@@ -179,7 +179,7 @@ def test_setting_aside_detaches_the_gloo_group_without_aborting_it():
 
 def test_a_lighthouse_address_without_a_scheme_is_unreadable_not_a_crash():
     with pytest.raises(StatusPageUnreadable, match="cannot read"):
-        lighthouse_quorum_id("127.0.0.1:1")
+        lighthouse_quorum("127.0.0.1:1")
 
 
 def test_a_real_pending_gloo_allreduce_is_given_up_set_aside_and_the_process_exits_without_waiting_for_it(tmp_path):

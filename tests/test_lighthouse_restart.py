@@ -2,7 +2,8 @@
 
 The groups must stall with a clear message, resume committing once the new lighthouse is up, and finish as if
 nothing happened: no restart, no committed step lost, no uncommitted step applied, replicas bit-identical. The unit
-tests below drive :class:`~lightning_ft.lighthouse_outage.OutageTolerantClient` with a fake client, probe and clock.
+tests below drive :class:`~lightning_ft.manager.lighthouse_outage.OutageTolerantClient` with a fake client, probe
+and clock.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from matrix import write
 from test_fault_tolerance import GATES, start_together
 
 from lightning_ft import FTConfigError, FTStrategy, LighthouseUnavailableError
-from lightning_ft.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
+from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 
 LIGHTHOUSE_URL = "http://127.0.0.1:29510"
 

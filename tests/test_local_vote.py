@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_ft.local_vote import LocalCommitVote, vote_locally
+from lightning_ft.manager.local_vote import LocalCommitVote, vote_locally
 
 
 class RecordingClient:

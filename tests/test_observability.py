@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FaultToleranceMonitor, FTStrategy
-from lightning_ft.telemetry import FTTelemetry, TimedTransport
+from lightning_ft.manager.telemetry import FTTelemetry, TimedTransport
 from lightning_ft_cli import report
 from lightning_ft_cli.launch import status_page_line
 from lightning_ft_cli.timeline import NoEventLogError, load_timeline

@@ -1,5 +1,5 @@
 """One job, one model: groups that start apart, restart late, come back after the end, or all die at once never fork
-the job or overwrite its checkpoints (lightning_ft.job_start, lightning_ft.job_record).
+the job or overwrite its checkpoints (lightning_ft.start.decision, lightning_ft.start.record).
 
 Real launcher, lighthouse and torchrun restarts; SIGKILL by PID. A group is held before it builds its Trainer by the
 worker's ``hold_start.group<G>`` file (it leaves ``held_start.group<G>.attempt<A>`` to say it is held there).

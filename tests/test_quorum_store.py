@@ -1,4 +1,5 @@
-"""lightning_ft.quorum_store: a reconfiguration through a dead primary's store fails at once, not after the timeout.
+"""lightning_ft.manager.quorum_store: a reconfiguration through a dead primary's store fails at once, not after the
+timeout.
 
 The store is a real TCPStore server in a process of its own, SIGKILLed by PID before the reconfiguration, and the
 process group is lightning-ft's real Gloo process group with a 600-s timeout: torch's TCPStore client would retry the
@@ -15,7 +16,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_ft.quorum_store import (
+from lightning_ft.manager.quorum_store import (
     QuorumStoreGoneError,
     StoreCheckedProcessGroupGloo,
     fail_if_store_gone,

@@ -24,7 +24,7 @@ from torchft.local_sgd import DiLoCo
 
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.fragments import fragment_modules, resolve_fragments
-from lightning_ft.commit import StepProtocol
+from lightning_ft.step.protocol import StepProtocol
 
 
 class DiLoCoSync:

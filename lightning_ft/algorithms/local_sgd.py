@@ -1,8 +1,8 @@
 """LocalSGD's sync: average the parameters of every participating replica group, keep them only if the sync commits.
 
 This is torchft's ``LocalSGD.sync()`` (``torchft/local_sgd.py``) with one difference: the quorum and the commit vote
-go through lightning-ft's :class:`~lightning_ft.commit.StepProtocol` instead of calling the Manager directly, so that
-the rest of lightning-ft (cross-group collectives, the data position, the checkpoint writer) knows a sync is in
+go through lightning-ft's :class:`~lightning_ft.step.protocol.StepProtocol` instead of calling the Manager directly,
+so that the rest of lightning-ft (cross-group collectives, the data position, the checkpoint writer) knows a sync is in
 progress and how it ended. torchft's class cannot be reused as is: it triggers itself from an optimizer post-hook
 with an inner-step counter that is not part of any state dict, so a restarted group would sync at other steps than
 its peers (see ``docs/semi-sync.md``). Its tensor helper is reused, so DTensor parameters work the same way.
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchft import Manager
 from torchft.local_sgd import extract_local_tensor
 
-from lightning_ft.commit import StepProtocol
+from lightning_ft.step.protocol import StepProtocol
 
 
 def average_parameters(manager: Manager, params: list[Tensor]) -> list[Tensor]:

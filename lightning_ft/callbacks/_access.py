@@ -9,9 +9,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torchft import Manager
 
-from lightning_ft.collectives import CrossGroupCollectives
-from lightning_ft.commit import StepProtocol
-from lightning_ft.telemetry import FTTelemetry
+from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.step.collectives import CrossGroupCollectives
+from lightning_ft.step.protocol import StepProtocol
 
 
 def has_ft_manager(trainer: pl.Trainer) -> bool:

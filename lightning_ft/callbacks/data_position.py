@@ -13,7 +13,7 @@ from lightning.pytorch.loops.fetchers import _DataFetcher
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
-from lightning_ft.data_position import (
+from lightning_ft.data.position import (
     LoopPosition,
     ResumePlan,
     align_with_peer,
@@ -47,7 +47,7 @@ class DataPositionCallback(Callback):
     group's contribution to the healing step), with asynchronous quorum the healing group sits the step out.
 
     **Resume.** A checkpoint restores the counters; the iterator is recreated and moved to them before the first
-    batch (see :func:`~lightning_ft.data_position.resume_fetcher`), from this rank's own ``StatefulDataLoader``
+    batch (see :func:`~lightning_ft.data.position.resume_fetcher`), from this rank's own ``StatefulDataLoader``
     state when the strategy found one beside the checkpoint, else by counting.
 
     Must run before :class:`~lightning_ft.callbacks.QuorumCallback`, which opens the step's quorum; FTStrategy puts

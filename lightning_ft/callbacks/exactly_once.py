@@ -10,13 +10,13 @@ from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
-from lightning_ft.data_position import LoopPosition, align_with_peer
-from lightning_ft.exactly_once import ExactlyOnceData
+from lightning_ft.data.placement import ExactlyOnceData
+from lightning_ft.data.position import LoopPosition, align_with_peer
 from lightning_ft_job import events
 
 
 class ExactlyOnceDataCallback(Callback):
-    """The loop side of ``FTStrategy(data_mode="exactly_once")`` (see :mod:`lightning_ft.exactly_once`); it takes
+    """The loop side of ``FTStrategy(data_mode="exactly_once")`` (see :mod:`lightning_ft.data.placement`); it takes
     :class:`~lightning_ft.callbacks.DataPositionCallback`'s place in that mode.
 
     **Epoch ends.** The training loader never runs out: an epoch ends after the committed step that consumed the last

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ft.manager.internals import cross_group_process_group, process_group_timeout
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 from lightning_ft_job.environment import ENV_REPLICA_GROUP_ID
@@ -66,7 +67,8 @@ class Failure:
             changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``) or ``"stuck"``
             (``at="allreduce"`` only: the step's allreduce runs, so the peers complete it, but here it never
             completes, until the collective timeout fails it; the process keeps heartbeating. This is what a
-            survivor sees when Gloo loses a send after a peer died mid-allreduce; see ``lightning_ft.left_behind``).
+            survivor sees when Gloo loses a send after a peer died mid-allreduce; see
+            ``lightning_ft.step.left_behind``).
         step: ``trainer.global_step`` at which it fires.
         group: Replica group id; ``None`` for every group.
         rank: Rank inside the group.
@@ -167,7 +169,7 @@ class FailureInjector(Callback):
         """Fire inside the cross-group process group's allreduce (torchft's reconfigurable process group, which
         outlives its reconfigurations): every cross-group allreduce passes there, the DDP comm hook's and
         ``Manager.allreduce``'s alike."""
-        process_group = trainer.strategy.manager._pg  # type: ignore[attr-defined]
+        process_group = cross_group_process_group(trainer.strategy.manager)  # type: ignore[attr-defined]
         allreduce = process_group.allreduce
 
         def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:
@@ -176,7 +178,7 @@ class FailureInjector(Callback):
                 self._fire(failure, trainer, trainer.lightning_module)
                 stuck = stuck or failure.kind == "stuck"
             work = allreduce(*args, **kwargs)
-            return _CompletionNeverArrives(work, process_group._timeout) if stuck else work
+            return _CompletionNeverArrives(work, process_group_timeout(process_group)) if stuck else work
 
         process_group.allreduce = allreduce_with_failures
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
-from lightning_ft.exactly_once import ExactlyOnceData
+from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft_job import events
 
 PREFIX = "ft/"
@@ -37,7 +37,7 @@ class FaultToleranceMonitor(Callback):
     Why the loggers directly and not ``LightningModule.log``: the values are plain Python numbers that need no
     device tensor, no reduction and no place in ``callback_metrics``; ``self.log`` would turn each into a tensor on
     the device every batch. Nothing here is reduced or exchanged across groups (no ``sync_dist``): every figure is
-    this group's own (:mod:`lightning_ft.telemetry`), and Lightning's rank-zero rule, which FTStrategy makes
+    this group's own (:mod:`lightning_ft.manager.telemetry`), and Lightning's rank-zero rule, which FTStrategy makes
     job-wide, lets group 0's rank 0 write them. With no logger or ``log_every_n_steps=0`` nothing is logged.
 
     ====================================  ===================================================================

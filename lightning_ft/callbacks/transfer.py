@@ -35,8 +35,8 @@ class StateTransferCallback(Callback):
     counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
     arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
 
-    Each heal is timed: applying the state here, receiving it in the transport (:mod:`lightning_ft.telemetry`). The
-    ``healed`` event and the ``ft/heal_seconds`` metric carry both.
+    Each heal is timed: applying the state here, receiving it in the transport
+    (:mod:`lightning_ft.manager.telemetry`). The ``healed`` event and the ``ft/heal_seconds`` metric carry both.
     """
 
     @override

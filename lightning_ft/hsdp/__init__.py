@@ -7,7 +7,7 @@ See ``docs/hsdp.md``. One job per module:
 * :mod:`~lightning_ft.hsdp.shards`: DTensors in the heal payload, as local shards;
 * :mod:`~lightning_ft.hsdp.checkpoint`: full (unsharded) state for checkpoint files and fingerprints.
 
-The cross-group gradient hook is :func:`lightning_ft.comm.fsdp_cross_group_hook`.
+The cross-group gradient hook is :func:`lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`.
 """
 
 from lightning_ft.hsdp.config import DATA_PARALLEL, DataParallelSettings, FSDPSettings, resolve_data_parallel

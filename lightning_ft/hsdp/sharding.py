@@ -3,7 +3,7 @@
 The group's mesh is a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` over the group's own default process
 group, which never leaves the group (see :mod:`lightning_ft.strategy`). Nothing here crosses groups: FSDP2's
 all-gathers and reduce-scatters run on that mesh, and the cross-group average is FSDP2's all-reduce hook
-(:func:`~lightning_ft.comm.fsdp_cross_group_hook`).
+(:func:`~lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`).
 
 Two ways to shard, never both:
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torchft import ProcessGroupGloo
 
-from lightning_ft.left_behind import CollectiveLeftBehindError, LeftBehindWatch, set_aside_process_group
+from lightning_ft.manager.internals import set_aside_process_group
+from lightning_ft.step.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 
 GLOO_TIMEOUT = timedelta(seconds=600)
 
@@ -26,8 +27,11 @@ class FakeManager:
 
     def __init__(self, quorum_id: int = 1, pg: Any = None) -> None:
         self._pg = pg
-        self._quorum_id = quorum_id
+        self.latest_quorum_id = quorum_id
         self.reported: list[Exception] = []
+
+    def quorum_id(self) -> int:
+        return self.latest_quorum_id
 
     def errored(self) -> Exception | None:
         return self.reported[0] if self.reported else None
@@ -46,7 +50,9 @@ def main(role: str, store: str) -> None:
         sys.stdin.read()
         return
     manager = FakeManager(pg=pg)
-    watch = LeftBehindWatch(manager, "http://lighthouse", read_quorum_id=lambda _: 2, check_after=0.2, interval=0.1)
+    watch = LeftBehindWatch(
+        manager, "http://lighthouse", read_lighthouse_quorum=lambda _: 2, check_after=0.2, interval=0.1
+    )
     buffer = torch.ones(1 << 20)
     work = pg.allreduce([buffer], torch.distributed.AllreduceOptions())
     given_up = watch.track(work.get_future(), buffer, lambda done: done.value()[0])

@@ -156,7 +156,7 @@ class RecordBatches(pl.Callback):
 
     def _record(self, trainer: pl.Trainer) -> None:
         manager = trainer.strategy.manager
-        self._key = {"vote_step": manager.current_step(), "quorum_id": getattr(manager, "_quorum_id", None)}
+        self._key = {"vote_step": manager.current_step(), "quorum_id": manager.quorum_id()}
         events.emit(
             "trained",
             **self._key,

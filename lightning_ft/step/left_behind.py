@@ -11,7 +11,8 @@ torchft's remedy for a hung collective, aborting the process group, does not wor
 another thread while an allreduce is pending blocks until that allreduce ends by itself (measured), and so would
 the reconfiguration at the next quorum, which aborts the old process group first.
 
-What this module does instead, for the DDP hook's allreduces over Gloo (:func:`lightning_ft.comm.cross_group_average`):
+What this module does instead, for the DDP hook's allreduces over Gloo
+(:func:`lightning_ft.step.gradient_hooks.cross_group_average`):
 
 * Each allreduce hands DDP a future of its own (:meth:`LeftBehindWatch.track`), completed by the allreduce as usual.
 * While one has been pending for longer than ``check_after`` seconds, a watchdog thread reads the lighthouse's status
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from torchft import Manager
 
-from lightning_ft.lighthouse_status import STATUS_TIMEOUT_S, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft.manager.lighthouse_status import STATUS_TIMEOUT_S, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -65,8 +66,8 @@ class CollectiveLeftBehindError(RuntimeError):
     """The other replica groups formed a newer quorum while this group's cross-group allreduce was still pending."""
 
 
-def lighthouse_quorum_id(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> int:
-    """The lighthouse's current quorum id, from its status page (:mod:`lightning_ft.lighthouse_status`)."""
+def lighthouse_quorum(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> int:
+    """The lighthouse's current quorum id, from its status page (:mod:`lightning_ft.manager.lighthouse_status`)."""
     return read_lighthouse_status(lighthouse, timeout).quorum_id
 
 
@@ -87,7 +88,7 @@ class LeftBehindWatch:
     Args:
         manager: The group's torchft Manager (its current quorum id, and where errors are reported).
         lighthouse: The lighthouse URL every group was given.
-        read_quorum_id: Reads the lighthouse's current quorum id (replaceable in tests).
+        read_lighthouse_quorum: Reads the lighthouse's current quorum id (replaceable in tests).
         clock: Time source (replaceable in tests).
         check_after: Seconds an allreduce may be pending before the lighthouse is asked.
         interval: Seconds between two reads of the lighthouse while one stays pending.
@@ -97,14 +98,14 @@ class LeftBehindWatch:
         self,
         manager: Manager,
         lighthouse: str,
-        read_quorum_id: Callable[[str], int] = lighthouse_quorum_id,
+        read_lighthouse_quorum: Callable[[str], int] = lighthouse_quorum,
         clock: Callable[[], float] = time.monotonic,
         check_after: float = CHECK_AFTER_S,
         interval: float = INTERVAL_S,
     ) -> None:
         self._manager = manager
         self._lighthouse = lighthouse
-        self._read_quorum_id = read_quorum_id
+        self._read_lighthouse_quorum = read_lighthouse_quorum
         self._clock = clock
         self._check_after = check_after
         self._interval = interval
@@ -123,7 +124,7 @@ class LeftBehindWatch:
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP's future for the allreduce behind ``done``: ``on_done(done)`` once it completes, or ``buffer`` as it
         is if the watchdog gives the allreduce up first."""
-        pending = _Pending(torch.futures.Future(), buffer, _quorum_id(self._manager), self._clock())
+        pending = _Pending(torch.futures.Future(), buffer, self._manager.quorum_id(), self._clock())
         with self._lock:
             self._pending.add(pending)
             if self._thread is None:
@@ -147,7 +148,7 @@ class LeftBehindWatch:
         if not overdue:
             return
         try:
-            current = self._read_quorum_id(self._lighthouse)
+            current = self._read_lighthouse_quorum(self._lighthouse)
         except StatusPageUnreadable as error:
             if not self._warned_unreadable:
                 self._warned_unreadable = True
@@ -207,34 +208,3 @@ class LeftBehindWatch:
 
     def shutdown(self) -> None:
         self._stopped.set()
-
-
-def _quorum_id(manager: Manager) -> int:
-    """The quorum id of the Manager's current quorum (torchft 0.2.0 keeps it private; -1 before the first)."""
-    quorum_id = getattr(manager, "_quorum_id", None)
-    return -1 if quorum_id is None else int(quorum_id)
-
-
-def set_aside_process_group(manager: Manager) -> bool:
-    """Detach torchft's reconfigurable process group from its current Gloo group without aborting it.
-
-    The next quorum then builds a new one (``ProcessGroupWrapper.configure`` aborts only a group it still holds).
-    The old group still has an operation pending; a daemon thread holds it until that operation ends by its own
-    timeout, so that its destructor (which joins Gloo's threads) runs there, or never if the process exits first.
-    Returns whether there was a group to set aside.
-    """
-    wrapper = getattr(manager, "_pg", None)
-    old = getattr(wrapper, "_pg", None)
-    if old is None:
-        return False
-    wrapper._pg = None  # type: ignore[union-attr]
-    timeout = getattr(wrapper, "_timeout", None)
-    seconds = timeout.total_seconds() if timeout is not None else 60.0
-    threading.Thread(target=_hold, args=(old, seconds), name="lightning_ft_set_aside_pg", daemon=True).start()
-    return True
-
-
-def _hold(process_group: Any, seconds: float) -> None:
-    """Keep ``process_group`` alive for its pending operation's timeout plus a margin, then let it go."""
-    time.sleep(seconds + 5.0)
-    del process_group

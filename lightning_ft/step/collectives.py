@@ -50,7 +50,7 @@ from torch.distributed import ReduceOp
 from torchft import Manager
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_ft.commit import StepProtocol
+from lightning_ft.step.protocol import StepProtocol
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 T = TypeVar("T")

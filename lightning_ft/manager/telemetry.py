@@ -5,13 +5,12 @@ heals), counted since the process started its current fit: a restarted group sta
 is ever averaged or exchanged across groups, so reading it costs no collective. The ``ft/`` metrics
 (:class:`~lightning_ft.callbacks.FaultToleranceMonitor`), the progress bar and the event log read it.
 
-Two measurements need a hook inside torchft's Manager; both wrap an object this project hands the Manager, and both
-delegate everything:
+Two measurements need a hook inside torchft's Manager:
 
 * **Quorum wait**: ``Manager.wait_quorum`` is where the training thread blocks on a quorum, whoever asks (the start
   of a step with synchronous quorum, the first cross-group allreduce or ``num_participants()`` with asynchronous
-  quorum, a validation's sync section). It is wrapped on the Manager instance, so the time is measured exactly
-  where it is spent, however the call was reached.
+  quorum, a validation's sync section). :class:`FTTelemetry` is a quorum observer of
+  :class:`~lightning_ft.manager.ft_manager.FTManager`, which measures it there, however the call was reached.
 * **Heal**: receiving the peer's state runs on torchft's quorum thread inside ``CheckpointTransport.recv_checkpoint``;
   applying it runs on the training thread in our load function. :class:`TimedTransport` wraps the transport that
   :func:`~lightning_ft.manager.build_manager` creates and times the receive; the load function times the apply
@@ -22,14 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from torchft import Manager
 from torchft.checkpointing import CheckpointTransport
 
+from lightning_ft.manager.ft_manager import FTManager, QuorumSeen
 from lightning_ft_job import events
 
 T = TypeVar("T")
@@ -95,12 +93,12 @@ class FTTelemetry:
     """This process's fault-tolerance figures for one fit (see the module docstring).
 
     Args:
-        manager: The group's Manager; its ``wait_quorum`` is wrapped on the instance (a new Manager every fit).
+        manager: The group's Manager, which tells this object of every quorum wait and quorum (a new one every fit).
         transport: The Manager's checkpoint transport when it is a :class:`TimedTransport`, to time heals.
         num_replica_groups: The job's size, for the progress bar's ``replicas P/N``.
     """
 
-    def __init__(self, manager: Manager, transport: TimedTransport[Any] | None, num_replica_groups: int) -> None:
+    def __init__(self, manager: FTManager, transport: TimedTransport[Any] | None, num_replica_groups: int) -> None:
         self.manager = manager
         self.transport = transport
         self.num_replica_groups = num_replica_groups
@@ -110,43 +108,23 @@ class FTTelemetry:
         self.participants: int | None = None
         self.heals: list[Heal] = []
         self.uncommitted_steps = 0
-        self._observing = False
-        self._observed: object = None  # the quorum (torchft's quorum future) recorded last
-        self._wait_quorum: Callable[[], None] = manager.wait_quorum
-        manager.wait_quorum = self._timed_wait_quorum  # type: ignore[method-assign]
+        manager.add_quorum_observer(self)
 
-    # ------------------------------------------------------------------ quorum
-    def _timed_wait_quorum(self) -> None:
-        started = time.monotonic()
-        try:
-            self._wait_quorum()
-        finally:
-            self.quorum_wait_seconds_total += time.monotonic() - started
-        # Once per quorum: torchft calls wait_quorum many times per step (every allreduce, num_participants()).
-        quorum = getattr(self.manager, "_quorum_future", None)
-        if not self._observing and (quorum is None or quorum is not self._observed):
-            self._observe_quorum()
-            self._observed = quorum
+    # ------------------------------------------------------------------ quorum (FTManager's observer)
+    def quorum_waited(self, seconds: float) -> None:
+        self.quorum_wait_seconds_total += seconds
 
-    def _observe_quorum(self) -> None:
+    def quorum_formed(self, quorum: QuorumSeen) -> None:
         """Record the quorum just waited for; a new quorum id or participant count is an event."""
-        self._observing = True  # both call wait_quorum again, which returns at once: the quorum is there
-        try:
-            participants = self.manager.num_participants()
-            replica_rank = self.manager.participating_rank()
-        finally:
-            self._observing = False
-        # torchft 0.2 has no public accessor for the quorum id; the Manager sets it in the quorum it just completed.
-        quorum_id = getattr(self.manager, "_quorum_id", None)
-        if (quorum_id, participants) == (self.quorum_id, self.participants):
+        if (quorum.quorum_id, quorum.participants) == (self.quorum_id, self.participants):
             return
-        self.quorum_id, self.participants = quorum_id, participants
+        self.quorum_id, self.participants = quorum.quorum_id, quorum.participants
         events.emit(
             "quorum",
             step=self.manager.current_step(),
-            quorum_id=quorum_id,
-            participants=participants,
-            replica_rank=replica_rank,
+            quorum_id=quorum.quorum_id,
+            participants=quorum.participants,
+            replica_rank=quorum.replica_rank,
         )
 
     def step_started(self) -> None:

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
-from lightning_ft.job_start import JobBehindCheckpointError
-from lightning_ft.left_behind import LeftBehindWatch, set_aside_process_group
-from lightning_ft.telemetry import FTTelemetry
+from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_process_group
+from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.start.decision import JobBehindCheckpointError
+from lightning_ft.step.left_behind import LeftBehindWatch
 from lightning_ft_job import events
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,9 @@ class StepProtocol:
         self.quorums_opened = 0
         self.sync_in_flight = False
         self.non_finite_skips = 0
-        # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.left_behind).
+        # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.step.left_behind).
         self.left_behind: LeftBehindWatch | None = None
-        # A step the job had already reached (its newest checkpoint, lightning_ft.job_start), which this process's
+        # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
         self.floor_step: int | None = None
         self.floor_source = "the job's newest checkpoint"
@@ -155,7 +156,7 @@ class StepProtocol:
         lighthouse hand out a new quorum id, and a new quorum id reconfigures the process group (until then torchft's
         ``allreduce`` is a no-op, the step having errored). A step rejected for a non-finite gradient leaves the
         process group alone: every collective of it succeeded. A process group with an allreduce that was given up
-        (:mod:`lightning_ft.left_behind`) is set aside instead: Gloo's abort would block until that allreduce ends.
+        (:mod:`lightning_ft.step.left_behind`) is set aside instead: Gloo's abort would block until that allreduce ends.
         """
         error = self.manager.errored()
         if error is None or isinstance(error.original_exception, NonFiniteGradientError):
@@ -165,15 +166,13 @@ class StepProtocol:
             if set_aside_process_group(self.manager):
                 events.emit("process_group_set_aside", step=self.manager.current_step())
             return
-        abort = getattr(getattr(self.manager, "_pg", None), "abort", None)  # torchft's reconfigurable ProcessGroup
-        if abort is None:
-            return
         try:
-            abort()
+            aborted = abort_cross_group_process_group(self.manager)
         except Exception as abort_error:  # the vote must still happen; the next quorum rebuilds the group anyway
             log.warning("lightning-ft: aborting the failed cross-group process group failed: %r", abort_error)
         else:
-            events.emit("process_group_aborted", step=self.manager.current_step())
+            if aborted:
+                events.emit("process_group_aborted", step=self.manager.current_step())
 
     def reject(self, reason: Exception) -> None:
         """Make this group vote against committing the open step, for a reason every replica shares (an averaged
@@ -264,8 +263,9 @@ class CommitGatedOptimizer:
         self._optimizer = optimizer
         self._protocol = protocol
         self._skip_non_finite = skip_non_finite
-        # Whether the averaged gradient was finite, as the comm hook found while averaging it (lightning_ft.comm);
-        # None when it could not tell, and the optimizer's gradients are then read again.
+        # Whether the averaged gradient was finite, as the comm hook found while averaging it
+        # (lightning_ft.step.gradient_hooks); None when it could not tell, and the optimizer's gradients are then read
+        # again.
         self._gradient_check = gradient_check
 
     def _gradients_are_finite(self) -> bool:

@@ -17,7 +17,7 @@ not commit, and the next quorum, without the dead group, rebuilds the process gr
 
 Not covered: a dead member that is *not* the primary. The store is then alive, and Gloo's rendezvous waits for the
 dead member's address until the timeout. Running the rendezvous on a helper thread and giving it up once the
-lighthouse has a newer quorum (as :mod:`lightning_ft.left_behind` does for an allreduce) was tried and withdrawn: a
+lighthouse has a newer quorum (as :mod:`lightning_ft.step.left_behind` does for an allreduce) was tried and withdrawn: a
 helper thread still inside the rendezvous when the process exits returns into Python during interpreter shutdown,
 which ends the process with ``terminate called without an active exception`` (SIGABRT, seen in the chaos test), and
 torchrun then restarts a group that had finished.
@@ -57,6 +57,13 @@ def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> Non
         ) from error
     except OSError:
         return  # slow or unreachable: torchft's own connection and its timeout decide
+
+
+if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 0.2.0: ``reconfigure(...)``
+    raise ImportError(
+        "lightning-ft needs torchft 0.2.x, whose process groups reconfigure through `configure`; the installed torchft "
+        "has no `ProcessGroupGloo.configure`, so the dead-store probe would be skipped. Install torchft>=0.2,<0.3."
+    )
 
 
 class FailFastOnGoneStore:

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import Manager
 
-from lightning_ft.left_behind import LeftBehindWatch
+from lightning_ft.manager.internals import cross_group_process_group
+from lightning_ft.step.left_behind import LeftBehindWatch
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class FTCommState:
     # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
     needs_manager_timeout: bool = True
     # Gives up an allreduce that the other groups have left behind (a Gloo send that never completes after a peer
-    # died); ``None`` leaves every allreduce to the process group's timeout. See :mod:`lightning_ft.left_behind`.
+    # died); ``None`` leaves every allreduce to the process group's timeout. See :mod:`lightning_ft.step.left_behind`.
     left_behind: LeftBehindWatch | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
@@ -119,7 +120,7 @@ def cross_group_average(
     the Manager (``report_error``), which then votes against the step. A hung collective fails through the
     process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
     Manager's timer on top (``state.needs_manager_timeout``). An allreduce that the other groups have left behind
-    is given up earlier, when ``state.left_behind`` watches (:mod:`lightning_ft.left_behind`).
+    is given up earlier, when ``state.left_behind`` watches (:mod:`lightning_ft.step.left_behind`).
     """
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
@@ -128,7 +129,7 @@ def cross_group_average(
     if not manager.is_participating():
         buffer.zero_()
     try:
-        work = manager._pg.allreduce([buffer], _SUM)  # torchft's reconfigurable process group (0.2.0, pinned)
+        work = cross_group_process_group(manager).allreduce([buffer], _SUM)
     except Exception as error:
         _report(manager, error)
         return _completed(buffer)

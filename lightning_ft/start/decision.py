@@ -4,7 +4,7 @@ A group that starts while no live peer is ahead of it would otherwise form a quo
 initial (or stale) weights as if it were the whole job: a second model, silently. This module decides, once per
 process and before the first quorum, on the group's rank 0 (the decision is broadcast in the group):
 
-1. **After the end.** If the job's record (:mod:`lightning_ft.job_record`) says it finished under the same limits,
+1. **After the end.** If the job's record (:mod:`lightning_ft.start.record`) says it finished under the same limits,
    the group exits 0 at once (:class:`JobAlreadyFinished`), before it registers with the lighthouse: no training, no
    logging, no checkpoint. This holds whatever engine started it.
 2. **A coherent start.** Until every one of ``num_replica_groups`` groups heartbeats to the lighthouse, a group
@@ -24,8 +24,8 @@ process and before the first quorum, on the group's rank 0 (the decision is broa
    reach the step of the job's last quorum, as in 3: if that peer died meanwhile, the group stops, and its restart
    finds no live peer.
 
-What the lighthouse knows comes from its status page (:mod:`lightning_ft.lighthouse_status`). If it cannot be read,
-the group warns once and starts without waiting, as before this module.
+What the lighthouse knows comes from its status page (:mod:`lightning_ft.manager.lighthouse_status`). If it cannot be
+read, the group warns once and starts without waiting, as before this module.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_ft.job_record import FinishedJob, JobRecord
-from lightning_ft.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft.start.record import FinishedJob, JobRecord
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")

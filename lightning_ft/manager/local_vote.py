@@ -8,8 +8,8 @@ round trip on the training thread's critical path at every step, plus the server
 thread's CPU time per step on the 1M-parameter benchmark, the largest single cost of fault tolerance there
 (``docs/benchmarks.md``, section 1).
 
-:class:`LocalCommitVote` wraps the Manager's client (``Manager._client``, private to torchft 0.2.0, which the project
-pins) and answers the vote itself when the group has one process; every other request passes through unchanged.
+:class:`LocalCommitVote` wraps the Manager's client (installed by :func:`lightning_ft.manager.builder.composed_client`
+when the group has one process) and answers the vote itself; every other request passes through unchanged.
 """
 
 from __future__ import annotations
@@ -33,10 +33,3 @@ class LocalCommitVote:
             raise ValueError(f"LocalCommitVote serves a group of one process, but was asked by group rank {group_rank}")
         return should_commit
 
-
-def vote_locally(manager: Any, group_world_size: int) -> bool:
-    """Install :class:`LocalCommitVote` on ``manager`` when its group has one process. Returns whether it did."""
-    if group_world_size != 1:
-        return False
-    manager._client = LocalCommitVote(manager._client)
-    return True

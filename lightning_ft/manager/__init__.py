@@ -1,0 +1,51 @@
+"""The torchft seam: every touch of torchft's internals, and everything built around one replica group's Manager.
+
+Outside this folder, lightning-ft uses torchft's public API and the public methods of these modules only; a torchft
+upgrade is a diff here. The modules:
+
+* :mod:`.builder`: builds the group's Manager, its store, its cross-group process group, its checkpoint transport
+  and its RPC client, composed once (:func:`~.builder.composed_client`).
+* :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
+* :mod:`.internals`: the functions that read or change a Manager's private attributes.
+* :mod:`.listeners`, :mod:`.quorum_store`: where the Manager's listeners bind, and the dead-store probe of the
+  process group's reconfiguration.
+* :mod:`.http_transport`, :mod:`.telemetry`: the heal transport (safe loading), and the figures of quorum waits and
+  heals.
+* :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
+  group's vote in process).
+* :mod:`.lighthouse_status`: the one reader of the lighthouse's HTML status page.
+
+What torchft 0.2.0 internals are relied on, why, and which upstream hook would remove each:
+
+========================================== ============================================ ===============================
+Internal                                   Why                                          Upstream hook that removes it
+========================================== ============================================ ===============================
+``Manager._pg``                            the comm hooks' allreduce, aborting or       an accessor for the process
+                                           setting aside a failed group                 group the Manager was given
+``Manager._quorum_id``,                    the quorum id and membership for events,     a quorum-id accessor / quorum
+``_participating_replica_*``               telemetry and the left-behind watch          callback
+``Manager._quorum_future``                 report each quorum once to observers         a quorum callback
+``Manager._healing``,                      vet a received state before the first        a heal-check hook
+``_pending_state_dict``,                   collective
+``_apply_pending_state_dict``
+``Manager._client``                        ride out lighthouse outages; a one-process   client injection in the
+                                           group's vote without an RPC                  constructor
+``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper
+                                           abort; the failure injector's stuck faults
+``ProcessGroupGloo._create_pg``,           bind Gloo to the advertised address; fail    a bind address option;
+``configure``                              a reconfiguration through a dead store at    the nightly's
+                                           once (:mod:`.listeners`, :mod:`.quorum_store`) ``reconfigure(...)`` (same
+                                                                                        probe, new entry point)
+``torchft.manager.ManagerServer``          bind the ManagerServer to the advertised     a bind address option
+(swapped while the Manager is built)       address (:mod:`.listeners`)
+lighthouse ``/status`` HTML                which groups heartbeat, the last quorum      a JSON status endpoint, or
+                                           (:mod:`.lighthouse_status`)                  the quorum RPC's members
+========================================== ============================================ ===============================
+
+``docs/architecture.md`` places this folder in the whole.
+"""
+
+from lightning_ft.manager.builder import ManagerHandle, build_manager
+from lightning_ft.manager.ft_manager import FTManager, QuorumObserver, QuorumSeen
+
+__all__ = ["FTManager", "ManagerHandle", "QuorumObserver", "QuorumSeen", "build_manager"]

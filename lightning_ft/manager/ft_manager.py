@@ -1,0 +1,123 @@
+"""FTManager: torchft's Manager with the few things lightning-ft needs from it, as public methods.
+
+Two behaviours are added where torchft has no hook for them:
+
+* **A healing replica's received state is vetted before anything else happens with it.** With an asynchronous
+  quorum, torchft loads the peer's state only at the commit vote, after the gradient allreduce; a model of another
+  shape reaches that allreduce first, where Gloo aborts the *healthy* peer's process on the size mismatch. The
+  registered checks run as soon as the quorum is known, so the healing group fails alone, with an error naming the
+  parameter and both shapes.
+* **Quorum observers** learn how long the training thread waited for each quorum and which quorum it got, measured
+  in ``wait_quorum`` itself: every caller that blocks on a quorum passes there (the start of a synchronous step, the
+  first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torchft import Manager
+from typing_extensions import override
+
+from lightning_ft.manager.http_transport import RefusedPeerStateError
+
+
+@dataclass(frozen=True)
+class QuorumSeen:
+    """The quorum a replica group just got: torchft's quorum id, how many groups take part, and this group's rank
+    among them (``None`` when it does not take part: it heals, or it is a spare)."""
+
+    quorum_id: int
+    participants: int
+    replica_rank: int | None
+
+
+class QuorumObserver(Protocol):
+    """Told of every wait for a quorum (``seconds``) and of every new quorum, on the training thread."""
+
+    def quorum_waited(self, seconds: float) -> None: ...
+
+    def quorum_formed(self, quorum: QuorumSeen) -> None: ...
+
+
+class FTManager(Manager):
+    """torchft's Manager, vetting a healing replica's received state first and telling observers of its quorums.
+
+    Relies on attributes of torchft 0.2.0's Manager, all read here and in :mod:`lightning_ft.manager.internals`
+    only: ``_healing`` and ``_pending_state_dict`` (the quorum thread stores the received state there, and the
+    Manager loads it later on the training thread in ``_apply_pending_state_dict``, overridden here to vet first);
+    ``_quorum_future``, ``_quorum_id``, ``_participating_replica_world_size`` and ``_participating_replica_rank``
+    (what the quorum just completed set).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._heal_checks: dict[str, Callable[[Any], Any]] = {}
+        self._vetted: int | None = None  # id() of the received state last checked (a reference would pin it)
+        self._quorum_observers: list[QuorumObserver] = []
+        self._observed_quorum: object = None  # the quorum future last reported to the observers
+
+    def register_heal_check(self, key: str, check: Callable[[Any], Any]) -> None:
+        """``check(state)`` raises if the state received under ``key`` must not be loaded into this replica."""
+        self._heal_checks[key] = check
+
+    def add_quorum_observer(self, observer: QuorumObserver) -> None:
+        """Tell ``observer`` of every quorum wait and every new quorum from now on."""
+        self._quorum_observers.append(observer)
+
+    @override
+    def wait_quorum(self) -> None:
+        """Wait for the quorum, as torchft does; tell the observers; then vet a heal right away: every cross-group
+        collective (``allreduce``) waits here first, so a state that cannot be loaded stops this replica before it
+        exchanges anything with its peers."""
+        started = time.monotonic()
+        try:
+            super().wait_quorum()
+        finally:
+            waited = time.monotonic() - started
+            for observer in self._quorum_observers:
+                observer.quorum_waited(waited)
+        quorum = self._quorum_future
+        if quorum is not self._observed_quorum:  # torchft calls wait_quorum many times per quorum: report it once
+            self._observed_quorum = quorum
+            seen = QuorumSeen(
+                quorum_id=self.quorum_id(),
+                participants=self._participating_replica_world_size,
+                replica_rank=self._participating_replica_rank,
+            )
+            for observer in self._quorum_observers:
+                observer.quorum_formed(seen)
+        self._vet_heal()
+
+    def quorum_id(self) -> int:
+        """The id of the latest quorum (-1 before the first). torchft 0.2.0 has no accessor for it."""
+        return -1 if self._quorum_id is None else int(self._quorum_id)
+
+    @override
+    def _apply_pending_state_dict(self) -> None:
+        """Vet, then load as torchft does. Reached even when no collective ran (a failed fetch skips them)."""
+        assert self._quorum_future is not None, "must call start_quorum before applying a heal"
+        self._quorum_future.result()
+        self._vet_heal()
+        super()._apply_pending_state_dict()
+        self._vetted = None  # an id() may be reused by a later, unvetted state
+
+    def _vet_heal(self) -> None:
+        """Raise if this replica heals and the received state must not be loaded; a no-op otherwise."""
+        if not self._healing:
+            return
+        pending = self._pending_state_dict
+        if pending is None:
+            error = self.errored()
+            if error is not None and isinstance(error.original_exception, RefusedPeerStateError):
+                raise error.original_exception  # the same bytes would be refused at every retry
+            return
+        if id(pending) == self._vetted:
+            return
+        user_state = pending["user"]
+        for key, check in self._heal_checks.items():
+            check(user_state[key])
+        self._vetted = id(pending)

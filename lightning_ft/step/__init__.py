@@ -1,0 +1,11 @@
+"""One optimizer step across replica groups: who opens its quorum, how gradients cross groups, how it commits.
+
+* :mod:`.protocol`: :class:`~.protocol.StepProtocol`, the one owner of a step (open the quorum, require it before
+  a collective, commit or reject, close), and :class:`~.protocol.CommitGatedOptimizer`, the optimizer the precision
+  plugin steps, which steps only when the group's vote commits.
+* :mod:`.gradient_hooks`: the DDP comm hook and the FSDP2 all-reduce hook that average gradients across groups.
+* :mod:`.collectives`: job-wide reductions (metrics, ``reduce_boolean_decision``) in sync sections.
+* :mod:`.left_behind`: gives up a cross-group allreduce that the other groups have left behind.
+
+The strategy and the callbacks call the protocol; nothing else opens a quorum.
+"""
