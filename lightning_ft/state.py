@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer import call as lightning_call
 
-from lightning_ft.hsdp.checkpoint import full_model_state, full_optimizer_state
+from lightning_ft.hsdp.full_state import full_model_state, full_optimizer_state
 from lightning_ft.hsdp.shards import (
     IncompatibleShardError,
     holds_shards,

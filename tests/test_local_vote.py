@@ -6,7 +6,10 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_ft.manager.local_vote import LocalCommitVote, vote_locally
+from lightning_ft.manager.builder import composed_client
+from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
+from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.settings import resolve_settings
 
 
 class RecordingClient:
@@ -22,11 +25,6 @@ class RecordingClient:
         return "quorum"
 
 
-class FakeManager:
-    def __init__(self) -> None:
-        self._client = RecordingClient()
-
-
 @pytest.mark.parametrize("vote", [True, False])
 def test_the_vote_of_a_one_process_group_is_its_own_without_an_rpc(vote):
     client = RecordingClient()
@@ -38,10 +36,26 @@ def test_the_vote_of_a_one_process_group_is_its_own_without_an_rpc(vote):
 
 
 def test_a_group_of_several_processes_keeps_torchfts_vote():
-    one, several = FakeManager(), FakeManager()
-    assert vote_locally(one, group_world_size=1)
-    assert not vote_locally(several, group_world_size=2)
-    assert isinstance(one._client, LocalCommitVote)
-    assert isinstance(several._client, RecordingClient)
+    settings = resolve_settings(replica_group_id=0, num_replica_groups=1)
+    base = RecordingClient()
+    one, outage = composed_client(base, settings, group_world_size=1)
+    several, _ = composed_client(base, settings, group_world_size=2)
+    assert isinstance(one, LocalCommitVote) and outage is None  # an embedded lighthouse: no outage to ride out
+    assert several is base
     with pytest.raises(ValueError, match="group rank 1"):
-        one._client.should_commit(1, 0, True, timedelta(seconds=1))
+        one.should_commit(1, 0, True, timedelta(seconds=1))
+
+
+def test_the_client_is_composed_once_outage_tolerance_inside_the_local_vote():
+    """With an external lighthouse, quorum requests ride out its outages; the local vote wraps that client, so the
+    vote never waits on the lighthouse and a quorum request passes through both."""
+    settings = resolve_settings(replica_group_id=0, num_replica_groups=2, lighthouse="http://127.0.0.1:1")
+    base = RecordingClient()
+    client, outage = composed_client(base, settings, group_world_size=1)
+    try:
+        assert isinstance(client, LocalCommitVote) and isinstance(outage, OutageTolerantClient)
+        assert client._client is outage
+        assert client.should_commit(0, 3, True, timedelta(seconds=1)) is True and base.calls == []
+    finally:
+        assert outage is not None
+        outage.shutdown()

@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FaultToleranceMonitor, FTStrategy
+from lightning_ft.manager import QuorumSeen
 from lightning_ft.manager.telemetry import FTTelemetry, TimedTransport
 from lightning_ft_cli import report
 from lightning_ft_cli.launch import status_page_line
@@ -309,38 +310,32 @@ def test_the_timed_transport_delegates_and_times_each_receive_once():
 
 
 class FakeManager:
-    """The part of torchft's Manager that FTTelemetry reads; ``num_participants`` waits on the quorum, as torchft's
-    does (so the wrapper must not recurse)."""
+    """The part of FTManager that FTTelemetry uses."""
 
-    def __init__(self, participants: int) -> None:
-        self._quorum_id, self.participants, self.waits = 7, participants, 0
+    def __init__(self) -> None:
+        self.observers: list[object] = []
 
-    def wait_quorum(self) -> None:
-        self.waits += 1
-
-    def num_participants(self) -> int:
-        self.wait_quorum()
-        return self.participants
-
-    def participating_rank(self) -> int:
-        self.wait_quorum()
-        return 0
+    def add_quorum_observer(self, observer: object) -> None:
+        self.observers.append(observer)
 
     def current_step(self) -> int:
         return 3
 
 
 def test_telemetry_times_quorum_waits_and_tells_the_replica_status():
-    manager = FakeManager(participants=1)
+    manager = FakeManager()
     telemetry = FTTelemetry(manager, None, num_replica_groups=2)  # type: ignore[arg-type]
+    assert manager.observers == [telemetry]
     assert telemetry.replicas() is None  # before the first quorum
     telemetry.step_started()
-    manager.wait_quorum()  # the wrapped method, as torchft's own callers reach it
+    telemetry.quorum_waited(0.25)
+    telemetry.quorum_formed(QuorumSeen(quorum_id=7, participants=1, replica_rank=0))
     assert telemetry.replicas() == "1/2" and telemetry.quorum_id == 7
-    assert manager.waits == 3  # the wait, then num_participants() and participating_rank() once each: no recursion
-    assert telemetry.step_quorum_wait_seconds == telemetry.quorum_wait_seconds_total >= 0
-    manager.participants = 2
-    manager.num_participants()
+    assert telemetry.step_quorum_wait_seconds == telemetry.quorum_wait_seconds_total == 0.25
+    telemetry.step_started()
+    telemetry.quorum_waited(0.5)
+    assert telemetry.step_quorum_wait_seconds == 0.5 and telemetry.quorum_wait_seconds_total == 0.75
+    telemetry.quorum_formed(QuorumSeen(quorum_id=8, participants=2, replica_rank=1))
     assert telemetry.replicas() == "2/2"
     telemetry.step_voted(False)
     telemetry.step_voted(True)

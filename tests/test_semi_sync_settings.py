@@ -196,7 +196,7 @@ def test_example_configs_parse_into_the_strategy(config, algorithm, monkeypatch)
         save_config_callback=None,
     )
     settings = cli.trainer.strategy.algorithm
-    assert settings.algorithm == algorithm and settings.use_async_quorum is False
+    assert settings.algorithm == algorithm and cli.trainer.strategy.settings.use_async_quorum is False
     if algorithm == "diloco":
         assert (settings.num_fragments, settings.sync_period, settings.fragment_sync_delay) == (2, 20, 1)
         outer = settings.outer_optimizer([nn.Parameter(torch.zeros(1))])

@@ -10,6 +10,7 @@ resolve_fragments`.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,8 @@ import torch
 from lightning_ft.algorithms.fragments import FragmentSpec, check_fragment_spec
 from lightning_ft.algorithms.outer_optimizer import OuterOptimizerFactory, OuterOptimizerSpec, outer_optimizer_factory
 from lightning_ft.settings import FTConfigError
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 AlgorithmName = Literal["ddp", "local_sgd", "diloco"]
 ALGORITHMS: tuple[str, ...] = ("ddp", "local_sgd", "diloco")
@@ -29,7 +32,6 @@ class AlgorithmSettings:
     optimizer steps (``sync_every // num_fragments`` for one fragment of streaming DiLoCo)."""
 
     algorithm: AlgorithmName
-    use_async_quorum: bool
     sync_every: int | None = None
     outer_optimizer: OuterOptimizerFactory | None = None
     fragments: FragmentSpec = 1
@@ -69,8 +71,11 @@ def resolve_algorithm(
     fragment_sync_delay: int | None,
     fragment_update_alpha: float | None,
     quantize: bool,
-) -> AlgorithmSettings:
-    """Validate the algorithm settings. ``None`` means "not set": DiLoCo-only settings must stay unset otherwise."""
+) -> tuple[AlgorithmSettings, bool]:
+    """Validate the algorithm settings. ``None`` means "not set": DiLoCo-only settings must stay unset otherwise.
+
+    Returns the settings and ``use_async_quorum`` with the algorithm's default applied (stored in ``FTSettings``).
+    """
     if algorithm not in ALGORITHMS:
         raise FTConfigError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}.")
 
@@ -103,7 +108,7 @@ def resolve_algorithm(
                 f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to algorithm='diloco', but "
                 f"algorithm={algorithm!r}. Remove {'it' if len(given) == 1 else 'them'} or use algorithm='diloco'."
             )
-        return AlgorithmSettings(algorithm=algorithm, use_async_quorum=async_quorum, sync_every=sync_every)  # type: ignore[arg-type]
+        return AlgorithmSettings(algorithm=algorithm, sync_every=sync_every), async_quorum  # type: ignore[arg-type]
 
     assert sync_every is not None
     if async_quorum:
@@ -142,9 +147,8 @@ def resolve_algorithm(
                 f"quantize=True needs a CUDA device and Triton, but {reason}. torchft would silently send unquantised "
                 f"pseudo-gradients; remove quantize or train on GPUs."
             )
-    return AlgorithmSettings(
+    settings = AlgorithmSettings(
         algorithm="diloco",
-        use_async_quorum=False,
         sync_every=sync_every,
         outer_optimizer=outer_optimizer_factory(outer_optimizer),
         fragments=fragment_spec,
@@ -153,3 +157,18 @@ def resolve_algorithm(
         fragment_update_alpha=float(alpha),
         quantize=bool(quantize),
     )
+    return settings, False
+
+
+def warn_unsynced_tail(settings: AlgorithmSettings, max_steps: int) -> None:
+    """The final sync happens only at a sync step: with ``max_steps`` not a multiple of the sync period, the last
+    inner steps stay local and the replicas end different. Says so once, at setup."""
+    period = settings.sync_period
+    if max_steps > 0 and max_steps % period:
+        log.warning(
+            "lightning-ft: max_steps=%d is not a multiple of the sync period %d (sync_every / fragments); the "
+            "last %d inner steps are not synchronised, so replica groups end with different parameters.",
+            max_steps,
+            period,
+            max_steps % period,
+        )

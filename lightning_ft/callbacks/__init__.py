@@ -17,15 +17,40 @@
   progress bar, and records exceptions in the event log.
 """
 
-from lightning_ft.callbacks.checkpoint import ManagerCheckpointCallback
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from lightning_ft.callbacks.consistency import ReplicaConsistencyCheck, ReplicaDivergedError
 from lightning_ft.callbacks.data_position import DataPositionCallback
 from lightning_ft.callbacks.exactly_once import ExactlyOnceDataCallback
 from lightning_ft.callbacks.failure_injector import Failure, FailureInjector, InjectedFailure
+from lightning_ft.callbacks.manager_checkpoint import ManagerCheckpointCallback
 from lightning_ft.callbacks.monitor import FaultToleranceMonitor
 from lightning_ft.callbacks.quorum import QuorumCallback
 from lightning_ft.callbacks.sync import SyncCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
+
+
+def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once: bool) -> None:
+    """Put the FT callbacks first, unless the user supplied their own instance (or a subclass) of each.
+
+    The data callback first: it records each step's starting position before the quorum callback (or, semi-
+    synchronously, the sync callback) opens the quorum. FaultToleranceMonitor after the quorum callback: it reports
+    the step's vote.
+    """
+    defaults = [
+        ExactlyOnceDataCallback if exactly_once else DataPositionCallback,
+        SyncCallback if semi_sync else QuorumCallback,
+        StateTransferCallback,
+        ManagerCheckpointCallback,
+        FaultToleranceMonitor,
+    ]
+    missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
+    trainer.callbacks[0:0] = missing
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = [
     "DataPositionCallback",
@@ -40,4 +65,5 @@ __all__ = [
     "ReplicaDivergedError",
     "StateTransferCallback",
     "SyncCallback",
+    "add_default_callbacks",
 ]

@@ -1,17 +1,48 @@
-"""How a callback finds the fault-tolerance parts of the running strategy.
+"""What a callback may read from the running strategy: the :class:`FaultTolerantStrategy` contract.
 
-Callbacks do not import FTStrategy: any strategy that exposes a torchft ``manager``, a ``step_protocol`` and (for
-sync sections) ``collectives`` works.
+Callbacks do not import FTStrategy: any strategy with these attributes works (a subclass of another Lightning
+strategy, a test's stand-in). Each accessor below checks what it reads and raises a message naming the fix, or
+returns ``None`` where the part is optional.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import lightning.pytorch as pl
 from torchft import Manager
 
+from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.settings import FTSettings
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.protocol import StepProtocol
+
+
+@runtime_checkable
+class FaultTolerantStrategy(Protocol):
+    """The attributes of a strategy that the lightning-ft callbacks read. ``manager``, ``step_protocol``,
+    ``collectives`` and ``telemetry`` exist while fitting (the first and last two also while validating and
+    testing) and raise ``RuntimeError`` otherwise."""
+
+    settings: FTSettings
+    algorithm: AlgorithmSettings
+
+    @property
+    def manager(self) -> Manager: ...
+
+    @property
+    def step_protocol(self) -> StepProtocol: ...
+
+    @property
+    def collectives(self) -> CrossGroupCollectives: ...
+
+    @property
+    def telemetry(self) -> FTTelemetry: ...
+
+    @property
+    def exactly_once_data(self) -> ExactlyOnceData | None: ...
 
 
 def has_ft_manager(trainer: pl.Trainer) -> bool:
@@ -53,3 +84,25 @@ def ft_telemetry(trainer: pl.Trainer) -> FTTelemetry | None:
     except RuntimeError:  # FTStrategy outside fitting, validating, testing
         return None
     return telemetry if isinstance(telemetry, FTTelemetry) else None
+
+
+def ft_settings(trainer: pl.Trainer) -> FTSettings | None:
+    """The group's resolved settings, or ``None`` for a strategy without them."""
+    settings = getattr(trainer.strategy, "settings", None)
+    return settings if isinstance(settings, FTSettings) else None
+
+
+def ft_algorithm(trainer: pl.Trainer) -> AlgorithmSettings | None:
+    """How the groups synchronise, or ``None`` for a strategy that does not say (every step, as with DDP)."""
+    algorithm = getattr(trainer.strategy, "algorithm", None)
+    return algorithm if isinstance(algorithm, AlgorithmSettings) else None
+
+
+def is_semi_sync(trainer: pl.Trainer) -> bool:
+    algorithm = ft_algorithm(trainer)
+    return algorithm is not None and algorithm.semi_sync
+
+
+def ft_exactly_once_data(trainer: pl.Trainer) -> ExactlyOnceData | None:
+    data = getattr(trainer.strategy, "exactly_once_data", None)
+    return data if isinstance(data, ExactlyOnceData) else None

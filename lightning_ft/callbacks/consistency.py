@@ -24,11 +24,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_step_protocol
+from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 OnDivergence = Literal["heal", "stop"]
 
 
@@ -88,8 +88,7 @@ class ReplicaConsistencyCheck(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        algorithm = getattr(trainer.strategy, "algorithm", None)
-        if stage == "fit" and getattr(algorithm, "semi_sync", False):
+        if stage == "fit" and is_semi_sync(trainer):
             raise FTConfigError(
                 "ReplicaConsistencyCheck works with algorithm='ddp' only: with local_sgd/diloco replicas differ by "
                 "design between two syncs. Remove the callback or use algorithm='ddp'."
@@ -109,7 +108,8 @@ class ReplicaConsistencyCheck(Callback):
         if step == 0 or step % self.every_n_steps or step == self._checked_step:
             return
         self._checked_step = step
-        group = trainer.strategy.settings.replica_group_id  # type: ignore[attr-defined]
+        settings = ft_settings(trainer)
+        group = settings.replica_group_id if settings is not None else 0
         total, squares = parameter_fingerprint(list(pl_module.parameters()))
         mine = torch.tensor([group, trainer.global_rank, total, squares], dtype=torch.int64)
         collectives = ft_collectives(trainer)

@@ -21,14 +21,12 @@ from lightning_ft.data.position import (
     resume_fetcher,
     supports_repositioning,
 )
+from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 DATA_POSITION_KEY = "data_position"
-_WRAPPER_MARK = "_lightning_ft_data_position"
-
-
 @dataclass(frozen=True)
 class _PendingReposition:
     iterator_epoch: int  # the epoch this group's iterator reads
@@ -58,6 +56,7 @@ class DataPositionCallback(Callback):
         self._step_start: LoopPosition | None = None
         self._pending: _PendingReposition | None = None
         self._resume: ResumePlan | None = None
+        self._patches = LoopPatches()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -87,23 +86,20 @@ class DataPositionCallback(Callback):
     def _wrap_epoch_start(self, trainer: pl.Trainer) -> None:
         """Run :meth:`_after_epoch_start` right after the epoch loop's ``on_run_start``: the one point between
         Lightning's own restore of the position and the first batch of the epoch (no callback hook sits there)."""
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if getattr(epoch_loop.on_run_start, _WRAPPER_MARK, False):
-            del epoch_loop.on_run_start  # the instance attribute left by an earlier fit
-        run_start: Callable[[_DataFetcher], None] = epoch_loop.on_run_start
 
-        def on_run_start(data_fetcher: _DataFetcher) -> None:
-            run_start(data_fetcher)
-            self._after_epoch_start(trainer, data_fetcher)
+        def make(run_start: Callable[[_DataFetcher], None]) -> Callable[[_DataFetcher], None]:
+            def on_run_start(data_fetcher: _DataFetcher) -> None:
+                run_start(data_fetcher)
+                self._after_epoch_start(trainer, data_fetcher)
 
-        setattr(on_run_start, _WRAPPER_MARK, True)
-        epoch_loop.on_run_start = on_run_start  # type: ignore[method-assign]
+            return on_run_start
+
+        self._patches.undo()
+        self._patches.wrap(trainer.fit_loop.epoch_loop, "on_run_start", make)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if getattr(vars(epoch_loop).get("on_run_start"), _WRAPPER_MARK, False):
-            del epoch_loop.on_run_start
+        self._patches.undo()
 
     # ------------------------------------------------------------------ resume
     @override

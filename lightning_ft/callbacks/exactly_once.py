@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
+from lightning_ft.callbacks._access import ft_exactly_once_data, ft_manager, ft_step_protocol
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.position import LoopPosition, align_with_peer
@@ -50,8 +50,8 @@ class ExactlyOnceDataCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        data = getattr(trainer.strategy, "exactly_once_data", None)
-        if not isinstance(data, ExactlyOnceData) or data.last_placement is None:
+        data = ft_exactly_once_data(trainer)
+        if data is None or data.last_placement is None:
             return
         if ft_step_protocol(trainer).last_step_committed and data.schedule.ends_epoch(data.last_placement):
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True

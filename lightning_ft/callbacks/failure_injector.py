@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ft.callbacks._access import ft_manager, ft_settings
 from lightning_ft.manager.internals import cross_group_process_group, process_group_timeout
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
@@ -128,7 +129,7 @@ class FailureInjector(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        settings = getattr(trainer.strategy, "settings", None)
+        settings = ft_settings(trainer)
         group = settings.replica_group_id if settings is not None else int(os.environ.get(ENV_REPLICA_GROUP_ID, 0))
         first_life = int(os.environ.get(ENV_RESTART_COUNT, "0")) == 0
         self._mine = [
@@ -169,7 +170,7 @@ class FailureInjector(Callback):
         """Fire inside the cross-group process group's allreduce (torchft's reconfigurable process group, which
         outlives its reconfigurations): every cross-group allreduce passes there, the DDP comm hook's and
         ``Manager.allreduce``'s alike."""
-        process_group = cross_group_process_group(trainer.strategy.manager)  # type: ignore[attr-defined]
+        process_group = cross_group_process_group(ft_manager(trainer))
         allreduce = process_group.allreduce
 
         def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:

@@ -12,8 +12,14 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_ft_manager
-from lightning_ft.data.placement import ExactlyOnceData
+from lightning_ft.callbacks._access import (
+    ft_exactly_once_data,
+    ft_manager,
+    ft_step_protocol,
+    ft_telemetry,
+    has_ft_manager,
+)
+from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
 
 PREFIX = "ft/"
@@ -70,33 +76,32 @@ class FaultToleranceMonitor(Callback):
     def __init__(self, progress_bar: bool = True) -> None:
         self.progress_bar = progress_bar
         self._heals_logged = 0
-        self._wrapped_bar: ProgressBar | None = None
+        self._patches = LoopPatches()
 
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._heals_logged = 0
         bar = trainer.progress_bar_callback
-        if self.progress_bar and bar is not None and self._wrapped_bar is None:
-            self._wrap(bar, trainer)
+        self._patches.undo()
+        if self.progress_bar and bar is not None:
+            self._show_replicas(bar)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._wrapped_bar is not None:
-            vars(self._wrapped_bar).pop("get_metrics", None)
-            self._wrapped_bar = None
+        self._patches.undo()
 
-    def _wrap(self, bar: ProgressBar, trainer: pl.Trainer) -> None:
-        get_metrics: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]] = bar.get_metrics
+    def _show_replicas(self, bar: ProgressBar) -> None:
+        def make(get_metrics: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]]) -> Callable[..., Any]:
+            def with_replicas(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+                items = get_metrics(trainer, pl_module)
+                telemetry = ft_telemetry(trainer)
+                replicas = telemetry.replicas() if telemetry is not None else None
+                return items if replicas is None else {"replicas": replicas, **items}
 
-        def with_replicas(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-            items = get_metrics(trainer, pl_module)
-            telemetry = ft_telemetry(trainer)
-            replicas = telemetry.replicas() if telemetry is not None else None
-            return items if replicas is None else {"replicas": replicas, **items}
+            return with_replicas
 
-        bar.get_metrics = with_replicas  # type: ignore[method-assign]
-        self._wrapped_bar = bar
+        self._patches.wrap(bar, "get_metrics", make)
 
     # ------------------------------------------------------------------ metrics
     @override
@@ -137,8 +142,8 @@ class FaultToleranceMonitor(Callback):
             values["quorum_wait_seconds_total"] = telemetry.quorum_wait_seconds_total
         with contextlib.suppress(RuntimeError):  # a strategy without a StepProtocol
             values["non_finite_skips"] = ft_step_protocol(trainer).non_finite_skips
-        data = getattr(trainer.strategy, "exactly_once_data", None)
-        if isinstance(data, ExactlyOnceData):
+        data = ft_exactly_once_data(trainer)
+        if data is not None:
             values["data_refetches"] = data.refetches
         return {PREFIX + name: float(value) for name, value in values.items()}
 

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_manager, ft_telemetry
+from lightning_ft.callbacks._access import ft_manager, ft_telemetry, is_semi_sync
 from lightning_ft.manager import FTManager
 from lightning_ft.state import (
     STATE_KEY,
@@ -46,8 +46,7 @@ class StateTransferCallback(Callback):
         manager = ft_manager(trainer)  # a new Manager for every fit, so registering once per fit is exactly right
         # Semi-synchronous training: the Manager step counts syncs, not optimizer steps; SyncCallback heals the
         # step counters from its own part of the payload.
-        algorithm = getattr(trainer.strategy, "algorithm", None)
-        steps_follow_manager = not getattr(algorithm, "semi_sync", False)
+        steps_follow_manager = not is_semi_sync(trainer)
 
         def save() -> dict[str, Any]:
             return capture_training_state(trainer)

@@ -9,8 +9,9 @@ Two ways to shard, never both:
 
 * ``configure_model`` called ``fully_shard`` itself: that layout is kept as it is. The ``fsdp_*`` sharding options are
   then refused, because they would silently do nothing.
-* Otherwise the auto-wrap policy of :class:`~lightning_ft.hsdp.config.FSDPSettings` gives the listed module classes
-  (and modules above the size threshold) their own ``fully_shard``, bottom-up, and the LightningModule itself last.
+* Otherwise the auto-wrap policy of :class:`~lightning_ft.hsdp.data_parallel.FSDPSettings` gives the listed module
+  classes (and modules above the size threshold) their own ``fully_shard``, bottom-up, and the LightningModule itself
+  last.
 
 Either way every parameter must end up managed by FSDP2: a parameter outside every ``fully_shard`` would never have
 its gradient reduced and the replicas would drift apart. When ``configure_model`` left some out, the LightningModule
@@ -24,6 +25,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import torch
@@ -34,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from lightning_ft.hsdp.config import FSDPSettings
+from lightning_ft.hsdp.data_parallel import FSDPSettings
 from lightning_ft.settings import FTConfigError
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -56,6 +58,20 @@ def fsdp_modules(module: nn.Module) -> Iterator[FSDPModule]:
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
             yield submodule
+
+
+@contextmanager
+def gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    """Accumulation micro-batches keep FSDP2's unsharded gradients local: no reduce-scatter, no cross-group average,
+    until the last micro-batch reduces their sum (DDP's ``no_sync`` for FSDP2)."""
+    modules = list(fsdp_modules(module))
+    for fsdp_module in modules:
+        fsdp_module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for fsdp_module in modules:
+            fsdp_module.set_requires_gradient_sync(True, recurse=False)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -56,7 +56,7 @@ from lightning_ft.settings import FTSettings
 from lightning_ft_job.addresses import is_loopback, numeric_host
 from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 @dataclass

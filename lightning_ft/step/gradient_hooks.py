@@ -35,12 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed import AllreduceOptions, ReduceOp
+from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
-from lightning_ft.manager.internals import cross_group_process_group
+from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.step.left_behind import LeftBehindWatch
+from lightning_ft.step.protocol import StepProtocol
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 @dataclass
@@ -185,3 +187,27 @@ def fsdp_cross_group_hook(
         manager.allreduce(reduce_output).wait()
 
     return hook
+
+
+def install_ddp_cross_group_hook(
+    model: DistributedDataParallel, manager: Manager, protocol: StepProtocol, lighthouse: str | None, group_size: int
+) -> FTCommState:
+    """Register :func:`ft_allreduce_hook` on the group's DDP wrapper; returns its state.
+
+    Over Gloo with an external lighthouse, a watch gives up allreduces that the other groups have left behind
+    (:mod:`lightning_ft.step.left_behind`); the embedded lighthouse serves a single group. Other process groups get
+    the Manager's timer on top of their own timeout.
+    """
+    gloo = crosses_groups_over_gloo(manager)
+    left_behind = LeftBehindWatch(manager, lighthouse) if gloo and lighthouse else None
+    protocol.left_behind = left_behind
+    state = FTCommState(
+        manager=manager,
+        group=None,
+        group_world_size=group_size,
+        before_allreduce=protocol.require_quorum,
+        needs_manager_timeout=not gloo,
+        left_behind=left_behind,
+    )
+    model.register_comm_hook(state, ft_allreduce_hook)
+    return state

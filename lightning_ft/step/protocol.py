@@ -31,7 +31,7 @@ from lightning_ft.start.decision import JobBehindCheckpointError
 from lightning_ft.step.left_behind import LeftBehindWatch
 from lightning_ft_job import events
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
 class QuorumNotStartedError(RuntimeError):

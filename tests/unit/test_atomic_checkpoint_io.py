@@ -205,7 +205,7 @@ def test_a_truncated_checkpoint_is_named_in_the_error(tmp_path: Path, cut: float
 
 def test_a_missing_checkpoint_raises_the_loaders_own_error(tmp_path: Path) -> None:
     path = tmp_path / "missing.ckpt"
-    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt"):
         load_checked(path, loader(path))
 
 

@@ -1,0 +1,123 @@
+"""The few places where lightning-ft changes what a Lightning object does, each undone when the fit ends.
+
+Lightning has no hook at these points, so a bound method (or an attribute) is shadowed by an instance attribute on
+the one object, for one fit: the classes stay Lightning's own, and a trainer that fits again starts clean. The
+strategy and the callbacks use the same mechanism, :class:`LoopPatches`:
+
+* :func:`gate_step_lr_schedulers`: step-interval LR schedulers advance only on a committed step;
+* :func:`keep_dataloader_checks_group_local`: Lightning's once-per-process "is the dataloader empty" reduction
+  stays inside the group (a restarted group asks when its peers do not);
+* :func:`sync_metrics_across_groups`: torchmetrics objects sync over every participating replica;
+* :func:`name_checkpoints_alike`: ``ModelCheckpoint`` names a checkpoint the same in every group;
+* the resume of :mod:`lightning_ft.start.lifecycle`, the exactly-once training loader
+  (:mod:`lightning_ft.data.exactly_once_training`), the data position's epoch start and the progress bar's
+  ``replicas P/N`` (:mod:`lightning_ft.callbacks`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_ft.step.collectives import CrossGroupCollectives
+from lightning_ft.step.protocol import StepProtocol
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+_ABSENT = object()
+
+
+class LoopPatches:
+    """Instance-attribute replacements on Lightning objects, undone in reverse order by :meth:`undo`."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, target: object, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Shadow ``target.name`` with ``make(original)``; ``original`` is what ``target.name`` is now (possibly an
+        earlier patch, which the new one then wraps)."""
+        self.assign(target, name, make(getattr(target, name)))
+
+    def assign(self, target: object, name: str, value: object) -> None:
+        """Set ``target.name`` to ``value`` until :meth:`undo`, which restores the instance's own earlier value (or
+        removes the attribute, so the class's shows again)."""
+        self._undo.append((target, name, vars(target).get(name, _ABSENT)))
+        setattr(target, name, value)
+
+    def undo(self) -> None:
+        for target, name, previous in reversed(self._undo):
+            if previous is _ABSENT:
+                vars(target).pop(name, None)
+            else:
+                setattr(target, name, previous)
+        self._undo.clear()
+
+
+def gate_step_lr_schedulers(patches: LoopPatches, trainer: pl.Trainer, protocol: StepProtocol) -> None:
+    """Step-interval LR schedulers advance only on a committed step.
+
+    Lightning steps them after every optimizer step, committed or not. The gate sits on the epoch loop's own
+    scheduler update, so the scheduler objects stay the user's own (``self.lr_schedulers()`` and checkpoints see the
+    real thing).
+    """
+
+    def make(update: Callable[[str, bool], None]) -> Callable[[str, bool], None]:
+        def update_if_committed(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and protocol.last_step_committed is False:
+                return
+            update(interval, update_plateau_schedulers)
+
+        return update_if_committed
+
+    patches.wrap(trainer.fit_loop.epoch_loop, "update_lr_schedulers", make)
+
+
+def keep_dataloader_checks_group_local(
+    patches: LoopPatches, trainer: pl.Trainer, collectives: CrossGroupCollectives
+) -> None:
+    """Lightning asks every rank whether its dataloader is empty once per process lifetime, through
+    ``Strategy.reduce``. A restarted group asks when its peers do not, so that question stays inside the group."""
+
+    def make(setup_data: Callable[[], None]) -> Callable[[], None]:
+        def group_local_setup_data() -> None:
+            with collectives.group_local():
+                setup_data()
+
+        return group_local_setup_data
+
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+        patches.wrap(loop, "setup_data", make)
+
+
+def sync_metrics_across_groups(patches: LoopPatches, module: pl.LightningModule, all_gather: Callable) -> None:
+    """torchmetrics ``Metric`` objects of the module sync over every participating replica, not just the group.
+
+    A metric's own ``dist_sync_fn`` or ``process_group``, when the user set one, is left alone.
+    """
+    from torchmetrics import Metric
+
+    for metric in module.modules():
+        if isinstance(metric, Metric) and metric.dist_sync_fn is None and metric.process_group is None:
+            patches.assign(metric, "dist_sync_fn", all_gather)
+
+
+def name_checkpoints_alike(trainer: pl.Trainer) -> None:
+    """Turn off ``ModelCheckpoint``'s version counter, which would name one checkpoint differently per group.
+
+    Every group runs ``ModelCheckpoint``; only the writer writes. With the counter on, a group that checks for
+    ``step=N.ckpt`` after the writer wrote it calls its own copy ``step=N-v1.ckpt``, so its callback state (best,
+    last and top-k paths) names files that are never written, and a group that takes over writing would save under
+    other names. Without it, a name is a function of the step and metrics only, the same everywhere; an existing
+    file of that name is overwritten, as when a job resumes into its own directory.
+    """
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback._enable_version_counter:
+            callback._enable_version_counter = False
+            log.info(
+                "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
+                "must give a checkpoint the same name."
+            )

@@ -1,0 +1,148 @@
+"""The job's record through one fit of one replica group: exit after the job's end, start where the job is, save
+only forward, record the end (the strategy calls these from its hooks; see :mod:`.decision` and :mod:`.record`).
+
+Decisions are taken on group rank 0, which reads the record and the lighthouse, and broadcast inside the group, so
+every rank of a group acts alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
+
+from lightning_ft.loop_patches import LoopPatches
+from lightning_ft.settings import FTSettings
+from lightning_ft.start.decision import (
+    JobAlreadyFinished,
+    NoLivePeerError,
+    StartContext,
+    StartDecision,
+    already_finished_message,
+    decide_start,
+    finished_job,
+)
+from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
+from lightning_ft.step.protocol import StepProtocol
+from lightning_ft_job import events
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+
+
+class GroupLifecycle:
+    """One group's part in "one job, one model" for one fit.
+
+    Args:
+        trainer: The fitting trainer; its checkpoint directories hold the job's record.
+        settings: The group's settings (id, job size, lighthouse, ``start_timeout``).
+        group_rank: This process's rank in its group; rank 0 reads and writes the record.
+        broadcast: The group's broadcast from rank 0 (``Strategy.broadcast``).
+    """
+
+    def __init__(
+        self, trainer: pl.Trainer, settings: FTSettings, group_rank: int, broadcast: Callable[[Any], Any]
+    ) -> None:
+        self.record = JobRecord(durable_checkpoint_dirs(trainer))
+        self._settings = settings
+        self._group_rank = group_rank
+        self._broadcast = broadcast
+        self._refused_a_save = False
+
+    def exit_if_job_finished(self, trainer: pl.Trainer) -> None:
+        """A group started after its job finished exits 0 at once: no training, logging or checkpoint. Called before
+        the group registers with the lighthouse."""
+        finished = None
+        if self._group_rank == 0 and self.record.exists:
+            finished = finished_job(self.record, trainer.max_steps, trainer.max_epochs)
+        finished = self._broadcast(finished)
+        if finished is not None:
+            log.warning(already_finished_message(finished, self._settings.replica_group_id))
+            events.emit("job_already_finished", step=finished.step, directory=str(finished.directory))
+            raise JobAlreadyFinished(finished)
+
+    def start_where_the_job_is(self, trainer: pl.Trainer, protocol: StepProtocol, patches: LoopPatches) -> None:
+        """Wait for a coherent start, then make sure this group never trains from a state older than the job's:
+        resume from the newest checkpoint when no live peer is ahead of it, and check the first quorum's step."""
+        decision = None
+        if self._group_rank == 0:
+            settings = self._settings
+            decision = decide_start(
+                StartContext(
+                    group=settings.replica_group_id,
+                    num_groups=settings.num_replica_groups,
+                    prefix=settings.replica_id_prefix,
+                    lighthouse=settings.lighthouse,
+                    start_timeout_s=settings.start_timeout.total_seconds(),
+                    attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    record=self.record,
+                )
+            )
+        decision = self._broadcast(decision)
+        assert isinstance(decision, StartDecision)
+        if decision.error is not None:
+            events.emit("no_live_peer", error=decision.error)
+            raise NoLivePeerError(decision.error)
+        group = self._settings.replica_group_id
+
+        def make(resume_start: Callable[..., None]) -> Callable[..., None]:
+            def resume_where_the_job_is(checkpoint_path: _PATH | None = None, **kwargs: Any) -> None:
+                if checkpoint_path:  # the user chose where the job resumes
+                    return resume_start(checkpoint_path, **kwargs)
+                protocol.floor_step = decision.floor_step
+                protocol.floor_source = decision.floor_source or protocol.floor_source
+                if decision.resume_from is not None:
+                    log.warning(
+                        "lightning-ft: no live replica group is ahead of the job's newest checkpoint; group %d "
+                        "resumes the job from %s (committed step %d). Steps committed after it, if any, are lost.",
+                        group,
+                        decision.resume_from,
+                        decision.floor_step,
+                    )
+                    events.emit("resumed_from_checkpoint", path=str(decision.resume_from), step=decision.floor_step)
+                    checkpoint_path = decision.resume_from
+                return resume_start(checkpoint_path, **kwargs)
+
+            return resume_where_the_job_is
+
+        patches.wrap(trainer._checkpoint_connector, "resume_start", make)
+
+    def refuses_save(self, filepath: _PATH, step: int, is_writer: bool) -> bool:
+        """Whether a save of a state at committed ``step`` must not be written, because the file's directory holds
+        a newer one. The writer warns once and records the refusal."""
+        refusal = self.record.refuse_save(filepath, step) if self._group_rank == 0 else None
+        if self._broadcast(refusal) is None:
+            return False
+        if is_writer:  # the others would not have written it anyway
+            if not self._refused_a_save:
+                self._refused_a_save = True
+                log.warning("lightning-ft: not writing %s: %s.", filepath, refusal)
+            events.emit("checkpoint_refused", path=str(filepath), step=step)
+        return True
+
+    def record_the_end(self, trainer: pl.Trainer, committed_step: int) -> None:
+        """A fit that ended normally ended the job: each group's rank 0 says so in the job's record, so that a group
+        started after the end exits instead of training a new model."""
+        if self._group_rank != 0 or not self.record.exists:
+            return
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            reason = f"max_steps={trainer.max_steps} reached"
+        elif (
+            trainer.max_epochs is not None and trainer.max_epochs != -1 and trainer.current_epoch >= trainer.max_epochs
+        ):
+            reason = f"max_epochs={trainer.max_epochs} reached"
+        elif trainer.should_stop:
+            reason = "stopped early"
+        else:
+            return
+        self.record.mark_finished(
+            step=committed_step,
+            epoch=trainer.current_epoch,
+            max_steps=trainer.max_steps,
+            max_epochs=trainer.max_epochs,
+            reason=reason,
+        )

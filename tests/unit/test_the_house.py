@@ -1,0 +1,92 @@
+"""The package's layout rules, checked on the source: the arrows between its layers, the one torchft seam, no import
+cycle, small modules (``docs/architecture.md``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("lightning_ft", "lightning_ft_job", "lightning_ft_cli")
+# Private names of torchft's Manager and process groups: read or changed only in lightning_ft/manager/.
+TORCHFT_INTERNALS = re.compile(r"\._pg\b|\._quorum_id\b|\._client\b|\._quorum_future\b|\._healing\b")
+
+
+def modules(package: str) -> dict[str, Path]:
+    root = REPO / package
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports at its top level or in a function, by absolute name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_library_and_the_command_sit_on_the_shared_layer_and_not_on_each_other():
+    for name, path in modules("lightning_ft").items():
+        assert not any(i.startswith("lightning_ft_cli") for i in imports_of(path)), f"{name} imports the command"
+    for name, path in modules("lightning_ft_job").items():
+        wrong = {i for i in imports_of(path) if i.split(".")[0] in ("lightning_ft", "lightning_ft_cli", "lightning")}
+        assert not wrong, f"{name} imports {wrong}"
+    for name, path in modules("lightning_ft_cli").items():
+        wrong = {i for i in imports_of(path) if i.split(".")[0] in ("lightning_ft", "lightning")}
+        assert not wrong, f"{name} imports {wrong}"
+
+
+def test_torchft_internals_are_touched_in_the_manager_seam_only():
+    outside = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for name, path in modules("lightning_ft").items()
+        if not name.startswith("lightning_ft.manager")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if TORCHFT_INTERNALS.search(line)
+    ]
+    assert not outside, "\n".join(outside)
+
+
+def test_no_import_cycle_between_the_modules_of_the_package():
+    known = {**modules("lightning_ft"), **modules("lightning_ft_job"), **modules("lightning_ft_cli")}
+    graph = {name: {i for i in imports_of(path) if i in known and i != name} for name, path in known.items()}
+    # A package's __init__ importing its own submodules is how a package exports names: not a cycle of modules.
+    graph = {name: {i for i in edges if not name.startswith(i + ".")} for name, edges in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(target) :], target]))
+            if target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_no_module_is_long_and_the_strategy_stays_thin():
+    lengths = {
+        name: len(path.read_text().splitlines()) for package in PACKAGES for name, path in modules(package).items()
+    }
+    long = {name: n for name, n in lengths.items() if n > 420 and name != "lightning_ft.strategy"}
+    assert not long, long
+    assert lengths["lightning_ft.strategy"] <= 520
+
+
+def test_no_module_name_appears_twice_in_the_library():
+    names = [path.stem for path in modules("lightning_ft").values() if path.stem != "__init__"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
