@@ -4,25 +4,22 @@ A job is N replica groups, each an ordinary Lightning DDP (or FSDP2) world whose
 leaves the group. One torchft Manager per group (:mod:`lightning_ft.manager`) connects the groups: a quorum of live
 groups each step, gradients averaged between them (:mod:`lightning_ft.step`), a vote on whether the step commits, and
 the whole training state streamed to a group that is behind. This class holds properties and hook overrides only, in
-the manner of Lightning's ``DDPStrategy``; ``docs/architecture.md`` follows one step and one heal through the package.
+the manner of Lightning's ``DDPStrategy`` (FSDP2's inside a group are in :mod:`lightning_ft.hsdp.strategy_hooks`);
+``docs/architecture.md`` follows one step and one heal through the package.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
@@ -43,15 +40,15 @@ from lightning_ft.configuration import resolve_configuration
 from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
-from lightning_ft.hsdp import full_state as sharded_checkpoint
-from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, group_mesh, is_sharded, shard_module
+from lightning_ft.hsdp.sharding import group_mesh
+from lightning_ft.hsdp.strategy_hooks import ShardedGroupHooks
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.state import state_fingerprint
 from lightning_ft.step.collectives import CrossGroupCollectives
-from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook, install_ddp_cross_group_hook
+from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
 from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
 from lightning_ft_job import events
 
@@ -65,7 +62,7 @@ _PASSED_TO_LIGHTNING = frozenset(
 )
 
 
-class FTStrategy(DDPStrategy):
+class FTStrategy(ShardedGroupHooks):
     """Fault-tolerant data parallelism across replica groups with torchft.
 
     Use it like ``DDPStrategy``: ``Trainer(strategy=FTStrategy())``, ``Trainer(strategy="ft")``, or
@@ -259,13 +256,6 @@ class FTStrategy(DDPStrategy):
         """Open the quorum for the current optimizer step (no-op if already open)."""
         self.step_protocol.open_quorum()
 
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``."""
-        if self._device_mesh is None:
-            raise RuntimeError("FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment().")
-        return self._device_mesh
-
     # ------------------------------------------------------------------ ranks and data
     @override
     def set_world_ranks(self) -> None:
@@ -357,30 +347,6 @@ class FTStrategy(DDPStrategy):
             loop_patches.keep_dataloader_checks_group_local(self._patches, trainer, self._collectives)
             loop_patches.sync_metrics_across_groups(self._patches, self.lightning_module, self._collectives.all_gather)
 
-    def _setup_sharded(self, trainer: pl.Trainer) -> None:
-        """``DDPStrategy.setup`` with FSDP2 sharding in place of the DDP wrapper. The model is sharded only when
-        fitting (as DDP only wraps then), unless ``configure_model`` sharded it; a model that is not sharded gets
-        DDP's broadcast of rank 0's weights when not fitting (a sharded one must not)."""
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if fitting:
-            assert self.data_parallel.fsdp is not None and self._device_mesh is not None
-            shard_module(self.lightning_module, self._device_mesh, self.data_parallel.fsdp)
-            hook = fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.require_quorum)
-            for fsdp_module in fsdp_modules(self.lightning_module):
-                fsdp_module.set_all_reduce_hook(hook)
-            self.setup_optimizers(trainer)
-        elif not is_sharded(self.model):
-            _sync_module_states(self.model)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
@@ -389,16 +355,6 @@ class FTStrategy(DDPStrategy):
         self._comm_state = install_ddp_cross_group_hook(
             self.model, self.manager, self.step_protocol, self.settings.lighthouse, self.world_size
         )
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if not self.data_parallel.sharded or self.model is None:
-            with super().block_backward_sync():
-                yield
-            return
-        with gradient_sync_off(self.model):
-            yield
 
     # ------------------------------------------------------------------ job-wide reductions
     @override
@@ -501,34 +457,6 @@ class FTStrategy(DDPStrategy):
         checkpoint = load_checked(checkpoint_path, load)
         use_own_position(checkpoint, checkpoint_path, self.replica_group_id, self.global_rank, weights_only)
         return checkpoint
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """With FSDP, the full (unsharded) model state, gathered for group rank 0."""
-        if not self.data_parallel.sharded:
-            return super().lightning_module_state_dict()
-        return sharded_checkpoint.full_model_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """With FSDP, the full optimizer state keyed by parameter name, gathered for group rank 0."""
-        if not self.data_parallel.sharded:
-            return super().optimizer_state(optimizer)
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        return sharded_checkpoint.full_optimizer_state(self.lightning_module, optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self.data_parallel.sharded:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        sharded_checkpoint.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self.data_parallel.sharded:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            sharded_checkpoint.load_full_optimizer_state(self.lightning_module, optimizer, state)
 
     # ------------------------------------------------------------------ the end
     @override

@@ -18,12 +18,12 @@ from lightning_ft_job import events
 class QuorumCallback(Callback):
     """Starts each optimizer step's torchft quorum before the forward pass, once per accumulation window.
 
-        Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal
-        a behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
-        committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. At an epoch end
-    it opens a sync section for cross-group reductions (:mod:`lightning_ft.step.collectives`). After the job's
-        first committed step, groups of several processes re-align their ranks (see
-        :func:`~lightning_ft.state.broadcast_state_in_group`).
+    Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal a
+    behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
+    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. At an epoch end
+    it opens a sync section for cross-group reductions (:mod:`lightning_ft.step.collectives`). After the job's first
+    committed step, groups of several processes re-align their ranks (see
+    :func:`~lightning_ft.state.broadcast_state_in_group`).
     """
 
     @override
