@@ -1,7 +1,7 @@
 """Run the fault test matrix and render its measured figures as the table in docs/reliability.md.
 
-Every fault test records, once its assertions have passed, what the failure cost (see ``tests/matrix.py``). This
-runs those tests with ``LIGHTNING_FT_MATRIX_OUT`` set, then writes ``benchmarks/results/fault_matrix.jsonl`` and a
+Every fault test records, once its assertions have passed, what the failure cost (see ``tests/processes/matrix.py``).
+This runs those tests with ``LIGHTNING_FT_MATRIX_OUT`` set, then writes ``benchmarks/results/fault_matrix.jsonl`` and a
 markdown table ``benchmarks/results/fault_matrix.md``. Usage::
 
     python benchmarks/fault_matrix.py            # the CI matrix (about 10 minutes on 2 cores)
@@ -21,13 +21,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MATRIX_TESTS = [
-    "tests/test_fault_tolerance.py",
-    "tests/test_failure_injection.py",
-    "tests/test_semi_sync_recovery.py::test_semi_sync_sigkill_during_a_sync",
-    "tests/test_checkpoints.py::test_kill_every_group_then_resume_from_last_checkpoint",
-    "tests/test_chaos.py",
-    "tests/test_lighthouse_restart.py",
-    "tests/test_network_partition.py::test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals",
+    "tests/processes/test_fault_tolerance.py",
+    "tests/processes/test_failure_injection.py",
+    "tests/processes/test_semi_sync_recovery.py::test_semi_sync_sigkill_during_a_sync",
+    "tests/processes/test_checkpoints.py::test_kill_every_group_then_resume_from_last_checkpoint",
+    "tests/processes/test_chaos.py",
+    "tests/processes/test_lighthouse_restart.py",
+    "tests/processes/test_network_partition.py::test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals",
 ]
 
 

@@ -1,9 +1,9 @@
 """How long the survivors stall after a kill, over many kills of a 3-group job (the 10-s stall of issue 7).
 
-Three replica groups of the test worker (``tests/workers/train_worker.py``) under ``lightning-ft launch``, with the
-launcher's defaults; every few seconds one group is SIGKILLed (in turn 0, 1, 2), and the time from the kill to each
-survivor's next committed step is recorded; once the restarted group commits with both others again, the next kill
-follows. The job is started and watched with the test harness (``tests/harness.py``). Usage::
+Three replica groups of the test worker (``tests/processes/workers/train_worker.py``) under ``lightning-ft launch``,
+with the launcher's defaults; every few seconds one group is SIGKILLed (in turn 0, 1, 2), and the time from the kill to
+each survivor's next committed step is recorded; once the restarted group commits with both others again, the next kill
+follows. The job is started and watched with the test harness (``tests/processes/harness.py``). Usage::
 
     python benchmarks/kill_loop.py --kills 27        # about 3 minutes on 2 cores
 """

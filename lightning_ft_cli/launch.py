@@ -137,8 +137,8 @@ def group_environment(
     env.setdefault("OMP_NUM_THREADS", "1")
     # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
     # quorum wakes several of them. A group serves a few RPCs per step, which one worker thread handles; on one
-    # machine running every group, the spare threads' wake-ups compete with training (about 3 % of a 15-ms step,
-    # docs/benchmarks.md). torchft reads this variable when it builds those runtimes.
+    # machine running every group, the spare threads' wake-ups compete with training (docs/benchmarks.md). torchft
+    # reads this variable when it builds those runtimes.
     env.setdefault("TOKIO_WORKER_THREADS", "1")
     # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for.
     env.setdefault("RUST_LOG", "warn")

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import LaunchedJob, launch_job
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # support.py
 
 from lightning_ft_job.events import ENV_EVENTS_DIR
 
@@ -38,18 +36,3 @@ def _event_log_off_unless_asked_for() -> Iterator[None]:
         os.environ.pop(ENV_EVENTS_DIR, None)
     else:
         os.environ[ENV_EVENTS_DIR] = previous
-
-
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator:
-    """Start jobs with ``launch(name, groups=..., worker_args=[...])``; every job is stopped at teardown."""
-    jobs: list[LaunchedJob] = []
-
-    def start(name: str = "job", **kwargs) -> LaunchedJob:
-        job = launch_job(tmp_path / name, **kwargs)
-        jobs.append(job)
-        return job
-
-    yield start
-    for job in jobs:
-        job.stop()

@@ -16,11 +16,10 @@ not commit, and the next quorum, without the dead group, rebuilds the process gr
 (accepted, timed out, unreachable) leaves the connection to torchft as before.
 
 Not covered: a dead member that is *not* the primary. The store is then alive, and Gloo's rendezvous waits for the
-dead member's address until the timeout. Running the rendezvous on a helper thread and giving it up once the
-lighthouse has a newer quorum (as :mod:`lightning_ft.step.left_behind` does for an allreduce) was tried and withdrawn: a
-helper thread still inside the rendezvous when the process exits returns into Python during interpreter shutdown,
-which ends the process with ``terminate called without an active exception`` (SIGABRT, seen in the chaos test), and
-torchrun then restarts a group that had finished.
+dead member's address until the timeout. The rendezvous cannot be given up from a helper thread (as
+:mod:`lightning_ft.step.left_behind` gives up an allreduce): a thread still inside the rendezvous when the process
+exits returns into Python during interpreter shutdown and aborts the process (SIGABRT), and torchrun would then restart
+a group that had finished.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ process and before the first quorum, on the group's rank 0 (the decision is broa
    finds no live peer.
 
 What the lighthouse knows comes from its status page (:mod:`lightning_ft.manager.lighthouse_status`). If it cannot be
-read, the group warns once and starts without waiting, as before this module.
+read, the group warns once and starts without waiting.
 """
 
 from __future__ import annotations

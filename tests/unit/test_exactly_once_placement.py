@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_step_semantics import trainer
+from support import trainer
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from lightning_ft import FTStrategy

@@ -4,10 +4,10 @@ against the default sharded (lossy) mode under the same membership changes.
 One schedule for both modes: groups 0 and 1 start (of 3 configured); group 1 is SIGKILLed and restarted by torchrun;
 group 2 joins late through a second ``lightning-ft launch --group-ids 2``; group 0 is SIGKILLed and restarted. Every
 process records the sample ids of each batch before its gradient can leave the process (``trained`` events) and the
-vote's outcome at the end of the batch (``batch`` events, see ``tests/workers/train_worker.py``). A contribution
-counts when the step it belongs to (its vote step and quorum id) was committed by any group: an allreduce completes
-only with every participant's gradient, so a group killed after sending its gradient has still contributed to a step
-its peers committed.
+vote's outcome at the end of the batch (``batch`` events, see ``tests/processes/workers/train_worker.py``). A
+contribution counts when the step it belongs to (its vote step and quorum id) was committed by any group: an allreduce
+completes only with every participant's gradient, so a group killed after sending its gradient has still contributed to
+a step its peers committed.
 """
 
 from __future__ import annotations

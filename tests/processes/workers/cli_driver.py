@@ -17,7 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+TRAIN = Path(__file__).resolve().parents[3] / "examples" / "train.py"
 
 
 def run_cli(main: object, config: str) -> tuple[int, str]:

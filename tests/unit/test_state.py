@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_step_semantics import Regressor, loader, trainer
+from support import Regressor, loader, trainer
 
 from lightning_ft.state import (
     IncompatibleReplicaError,

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from harness import REPO, LaunchedJob, assert_bit_identical
 from matrix import write
+from support import FakeClock
 from test_fault_tolerance import GATES, start_together
 
 from lightning_ft import FTConfigError, FTStrategy, LighthouseUnavailableError
@@ -31,18 +32,6 @@ LIGHTHOUSE_URL = "http://127.0.0.1:29510"
 
 
 # ---------------------------------------------------------------------------------------------------- unit tests
-class FakeClock:
-    """Monotonic time that only moves when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
 
 class ScriptedClient:
     """A ManagerClient whose quorum requests give the scripted outcomes in turn (an exception is raised)."""

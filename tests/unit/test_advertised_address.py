@@ -2,7 +2,8 @@
 
 torchft puts the chosen hostname into the Manager server's and the store's addresses only; its HTTP checkpoint
 server advertises ``socket.gethostname()`` and its Gloo process group binds where that name resolves. These checks
-run in one process; tests/test_network_partition.py shows groups reaching each other across network namespaces.
+run in one process; tests/processes/test_network_partition.py shows groups reaching each other across network
+namespaces.
 """
 
 from __future__ import annotations

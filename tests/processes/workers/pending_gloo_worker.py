@@ -1,4 +1,4 @@
-"""One rank of a two-process torchft Gloo process group, for tests/test_left_behind.py.
+"""One rank of a two-process torchft Gloo process group, for tests/processes/test_left_behind.py.
 
 ``silent``: joins the process group and never calls a collective, so its peer's allreduce stays pending for real;
 it exits when its stdin closes. ``stuck``: starts an allreduce that the silent rank never joins, lets

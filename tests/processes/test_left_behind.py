@@ -2,7 +2,7 @@
 
 Unit tests drive :class:`LeftBehindWatch` with a fake Manager, a fake status-page reader and a fake clock, and real
 torch futures; one reads a real lighthouse's status page. The multi-process test (a group stuck in a real job's
-allreduce, given up and healed) is in tests/test_failure_injection.py.
+allreduce, given up and healed) is in tests/processes/test_failure_injection.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_ft.step.left_behind import (
 from lightning_ft_job.lighthouse_server import start_lighthouse
 
 LIGHTHOUSE = "http://lighthouse.invalid:1"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -191,7 +191,7 @@ def test_a_real_pending_gloo_allreduce_is_given_up_set_aside_and_the_process_exi
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{store.port}"
-    worker = str(REPO / "tests" / "workers" / "pending_gloo_worker.py")
+    worker = str(Path(__file__).resolve().parent / "workers" / "pending_gloo_worker.py")
     silent = subprocess.Popen(
         [sys.executable, worker, "silent", address], stdin=subprocess.PIPE, cwd=REPO, stderr=subprocess.PIPE
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +19,15 @@ from typing import Any, TypeVar
 
 import torch
 
+# Re-exported: the process tests import these from the harness too.
+from support import REPO as REPO
+from support import assert_tree_equal as assert_tree_equal
+from support import listening_sockets as listening_sockets
+from support import process_gone as process_gone
+
 from lightning_ft_job.events import read_events
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "workers" / "train_worker.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
 T = TypeVar("T")
 
 
@@ -194,14 +198,6 @@ def launch_job(
     return LaunchedJob(process=process, root=root, log_file=log_file, log_name=log_name)
 
 
-def process_gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie waiting to be reaped counts as exited)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "State:\tZ" in status
-
 
 def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
     """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
@@ -210,44 +206,6 @@ def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
         assert_tree_equal(first, state, f"{first_key} vs {key}")
 
 
-def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
-    """Nested dicts/lists of tensors and plain values are equal, tensors bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"keys differ at {where}: {sorted(a)} vs {sorted(b)}"
-        for key in a:
-            assert_tree_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"length differs at {where}"
-        for index, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_tree_equal(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, f"value differs at {where}: {a!r} vs {b!r}"
-
-
-def listening_sockets(pid: int) -> list[tuple[str, int]]:
-    """The (address, port) of every TCP socket that process ``pid`` listens on, from /proc (IPv4 and IPv6)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address_hex, port_hex = local.split(":")
-            # The kernel prints each 32-bit word of the address in host (little-endian) byte order.
-            raw = b"".join(bytes.fromhex(address_hex[i : i + 8])[::-1] for i in range(0, len(address_hex), 8))
-            found.append((socket.inet_ntop(family, raw), int(port_hex, 16)))
-    return found
 
 
 def assert_listeners_confined(job: LaunchedJob, groups: int, nproc: int) -> None:

@@ -11,9 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import REPO, assert_tree_equal
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_step_semantics import loader, trainer
+from support import REPO, assert_tree_equal, loader, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 

@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 import pytest
-from harness import listening_sockets
 from lightning.pytorch.demos.boring_classes import BoringModel
+from support import listening_sockets
 
 from lightning_ft import FTStrategy
 from lightning_ft_cli.launch import local_listener_environment

@@ -8,16 +8,16 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from harness import REPO
 from lightning.pytorch.demos.boring_classes import BoringModel
 from test_cli import clean_env
 
 from lightning_ft import FTStrategy
 
-CLI_DRIVER = REPO / "tests" / "workers" / "cli_driver.py"
+CLI_DRIVER = Path(__file__).resolve().parent / "workers" / "cli_driver.py"
 
 # (init_args line of the YAML, what the error must say, exit code): LightningCLI's parser (jsonargparse) refuses
 # wrong types and unknown keys with a usage error (exit 2); FTStrategy's own checks run when the CLI instantiates

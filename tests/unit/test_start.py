@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lighthouse_restart import FakeClock
+from support import FakeClock
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status

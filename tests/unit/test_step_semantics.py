@@ -13,49 +13,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import assert_tree_equal
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from support import Regressor, assert_tree_equal, loader, trainer
 
 from lightning_ft import FTStrategy
 
 pytestmark = pytest.mark.timeout(120)
 
-
-class Regressor(pl.LightningModule):
-    def __init__(self, scheduler: bool = True) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        self.with_scheduler = scheduler
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
-        if not self.with_scheduler:
-            return optimizer
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def loader(n: int = 512, batch_size: int = 8) -> DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=generator)
-    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=batch_size)
-
-
-def trainer(strategy: Any = "ft", callbacks: list[pl.Callback] | None = None, **kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    return pl.Trainer(strategy=strategy, callbacks=callbacks or [], **{**defaults, **kwargs})
 
 
 class CountCalls(pl.Callback):

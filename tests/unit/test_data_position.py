@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from test_step_semantics import trainer
+from support import trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_ft import FTStrategy
