@@ -6,10 +6,10 @@ from datetime import timedelta
 
 import pytest
 
+from lightning_ft import FTStrategy
 from lightning_ft.manager.builder import composed_client
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.local_vote import LocalCommitVote
-from lightning_ft.settings import resolve_settings
 
 
 class RecordingClient:
@@ -36,7 +36,7 @@ def test_the_vote_of_a_one_process_group_is_its_own_without_an_rpc(vote):
 
 
 def test_a_group_of_several_processes_keeps_torchfts_vote():
-    settings = resolve_settings(replica_group_id=0, num_replica_groups=1)
+    settings = FTStrategy(replica_group_id=0, num_replica_groups=1).settings
     base = RecordingClient()
     one, outage = composed_client(base, settings, group_world_size=1)
     several, _ = composed_client(base, settings, group_world_size=2)
@@ -49,7 +49,7 @@ def test_a_group_of_several_processes_keeps_torchfts_vote():
 def test_the_client_is_composed_once_outage_tolerance_inside_the_local_vote():
     """With an external lighthouse, quorum requests ride out its outages; the local vote wraps that client, so the
     vote never waits on the lighthouse and a quorum request passes through both."""
-    settings = resolve_settings(replica_group_id=0, num_replica_groups=2, lighthouse="http://127.0.0.1:1")
+    settings = FTStrategy(replica_group_id=0, num_replica_groups=2, lighthouse="http://127.0.0.1:1").settings
     base = RecordingClient()
     client, outage = composed_client(base, settings, group_world_size=1)
     try:
