@@ -1,0 +1,87 @@
+"""FTManager's additions to torchft's Manager: quorum observers told once per quorum, the quorum id, heal vetting.
+
+The Manager is built without its servers (``__new__``) and given the attributes that torchft's quorum thread sets
+when a quorum completes, so that ``wait_quorum`` runs torchft's own code on a completed quorum future.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from lightning_ft.manager import FTManager, QuorumSeen
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.quorums: list[QuorumSeen] = []
+
+    def quorum_waited(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+    def quorum_formed(self, quorum: QuorumSeen) -> None:
+        self.quorums.append(quorum)
+
+
+def completed_quorum(manager: FTManager, quorum_id: int, participants: int, replica_rank: int | None) -> None:
+    """What torchft's quorum thread leaves behind when a quorum has formed."""
+    done: Future[None] = Future()
+    done.set_result(None)
+    manager._quorum_future = done
+    manager._quorum_id = quorum_id
+    manager._participating_replica_world_size = participants
+    manager._participating_replica_rank = replica_rank
+
+
+def bare_manager() -> FTManager:
+    manager = FTManager.__new__(FTManager)
+    manager._heal_checks, manager._vetted = {}, None
+    manager._quorum_observers, manager._observed_quorum = [], None
+    manager._healing, manager._quorum_id = False, -1
+    return manager
+
+
+def test_observers_hear_every_wait_and_each_quorum_once():
+    manager, recorder = bare_manager(), Recorder()
+    manager.add_quorum_observer(recorder)
+    assert manager.quorum_id() == -1  # before the first quorum
+    completed_quorum(manager, quorum_id=4, participants=2, replica_rank=1)
+    for _ in range(3):  # torchft waits on the same quorum for every allreduce and num_participants()
+        manager.wait_quorum()
+    assert len(recorder.waits) == 3 and all(seconds >= 0 for seconds in recorder.waits)
+    assert recorder.quorums == [QuorumSeen(quorum_id=4, participants=2, replica_rank=1)]
+    assert manager.quorum_id() == 4
+    completed_quorum(manager, quorum_id=5, participants=1, replica_rank=None)
+    manager.wait_quorum()
+    assert recorder.quorums[-1] == QuorumSeen(quorum_id=5, participants=1, replica_rank=None)
+    assert len(recorder.quorums) == 2
+
+
+def test_a_failed_wait_is_timed_and_reports_no_quorum():
+    manager, recorder = bare_manager(), Recorder()
+    manager.add_quorum_observer(recorder)
+    failed: Future[None] = Future()
+    failed.set_exception(TimeoutError("no quorum"))
+    manager._quorum_future = failed
+    with pytest.raises(TimeoutError):
+        manager.wait_quorum()
+    assert len(recorder.waits) == 1 and recorder.quorums == []
+
+
+def test_a_received_state_is_vetted_as_soon_as_the_quorum_is_known():
+    manager = bare_manager()
+    seen: list[object] = []
+
+    def refuse(state: object) -> None:
+        seen.append(state)
+        raise ValueError("parameter net.weight: shape (4, 4) here, (8, 4) in the peer's state")
+
+    manager.register_heal_check("model", refuse)
+    completed_quorum(manager, quorum_id=1, participants=2, replica_rank=None)
+    manager._healing = True
+    manager._pending_state_dict = {"user": {"model": "peer state"}}
+    with pytest.raises(ValueError, match=r"net\.weight"):
+        manager.wait_quorum()
+    assert seen == ["peer state"]
