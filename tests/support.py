@@ -111,3 +111,22 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+
+def example_cli(monkeypatch: Any, config: str) -> Any:
+    """``examples/train.py``'s LightningCLI built (not run) from ``examples/configs/<config>``, on one CPU process."""
+    import sys
+
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py", f"--config={REPO / 'examples' / 'configs' / config}"])
+    return LightningCLI(
+        train.RegressionModel,
+        train.SyntheticData,
+        run=False,
+        trainer_defaults={"accelerator": "cpu", "devices": 1},
+        save_config_callback=None,
+    )

@@ -7,5 +7,6 @@
 * :mod:`.collectives`: job-wide reductions (metrics, ``reduce_boolean_decision``) in sync sections.
 * :mod:`.left_behind`: gives up a cross-group allreduce that the other groups have left behind.
 
-The strategy and the callbacks call the protocol; nothing else opens a quorum.
+The strategy, the callbacks and the semi-synchronous syncs call the protocol; nothing else opens a step's quorum (a sync
+section outside training steps opens its own, which never heals: :mod:`.collectives`).
 """

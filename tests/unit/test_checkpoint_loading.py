@@ -19,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from support import trainer as make_trainer
 from torchft.manager import ExceptionWithTraceback
 
 from lightning_ft import FTStrategy
@@ -69,17 +70,8 @@ class Written:
 
 
 def fit(root: Path, max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
-    trainer = pl.Trainer(
-        strategy=FTStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        **kwargs,
-    )
+    kwargs.setdefault("enable_checkpointing", True)
+    trainer = make_trainer(FTStrategy(), max_steps=max_steps, default_root_dir=root, **kwargs)
     trainer.fit(WithHyperparameters(), ckpt_path=ckpt_path)
     return trainer
 

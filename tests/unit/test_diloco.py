@@ -7,6 +7,7 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
+from support import trainer as make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,15 +141,9 @@ def test_one_group_matches_a_hand_written_diloco(tmp_path, fragments, names, del
         timeout=20,
         quorum_timeout=20,
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         use_distributed_sampler=False,  # the reference reads the batches in order
         default_root_dir=tmp_path,
@@ -172,16 +167,11 @@ def fit_diloco(tmp_path, model: Net, max_steps: int, ckpt_path=None, callbacks=(
     strategy = FTStrategy(
         algorithm="diloco", sync_every=4, fragments=2, fragment_sync_delay=delay, timeout=20, quorum_timeout=20
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        strategy,
+        list(callbacks),
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=bool(callbacks),
-        callbacks=list(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         use_distributed_sampler=False,
         default_root_dir=tmp_path,

@@ -5,14 +5,13 @@ FSDP2 over a one-process mesh). The multi-process behaviour is in ``test_hsdp_re
 from __future__ import annotations
 
 import copy
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support import REPO, assert_tree_equal, loader, trainer
+from support import assert_tree_equal, example_cli, loader, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -108,19 +107,7 @@ def test_mixed_precision_from_names():
 
 
 def test_example_config_parses_into_the_strategy(monkeypatch):
-    from lightning.pytorch.cli import LightningCLI
-
-    monkeypatch.syspath_prepend(str(REPO / "examples"))
-    import train
-
-    monkeypatch.setattr(sys, "argv", ["train.py", f"--config={REPO / 'examples' / 'configs' / 'hsdp.yaml'}"])
-    cli = LightningCLI(
-        train.RegressionModel,
-        train.SyntheticData,
-        run=False,
-        trainer_defaults={"accelerator": "cpu", "devices": 1},
-        save_config_callback=None,
-    )
+    cli = example_cli(monkeypatch, "hsdp.yaml")
     strategy = cli.trainer.strategy
     assert isinstance(strategy, FTStrategy) and strategy.data_parallel.sharded
     assert strategy.settings.use_async_quorum is False

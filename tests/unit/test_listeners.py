@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 from support import listening_sockets
+from support import trainer as make_trainer
 
 from lightning_ft import FTStrategy
 from lightning_ft_cli.launch import local_listener_environment
@@ -79,17 +80,7 @@ class _RecordListeners(pl.Callback):
 
 def _fit(tmp_path, hostname: str | None) -> _RecordListeners:
     recorder = _RecordListeners()
-    trainer = pl.Trainer(
-        strategy=FTStrategy(hostname=hostname),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        callbacks=[recorder],
-        default_root_dir=tmp_path,
-    )
+    trainer = make_trainer(FTStrategy(hostname=hostname), [recorder], max_steps=2, default_root_dir=tmp_path)
     trainer.fit(BoringModel())
     return recorder
 

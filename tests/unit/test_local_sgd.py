@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from support import trainer as make_trainer
 
 from lightning_ft import FTStrategy
 from lightning_ft.callbacks import QuorumCallback, SyncCallback
@@ -45,16 +46,10 @@ class Scheduled(BoringModel):
 
 def fit(tmp_path, max_steps: int, sync_every: int, **trainer_kwargs) -> tuple[pl.Trainer, Recorder]:
     recorder = Recorder()
-    trainer = pl.Trainer(
-        strategy=FTStrategy(algorithm="local_sgd", sync_every=sync_every, timeout=20, quorum_timeout=20),
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        FTStrategy(algorithm="local_sgd", sync_every=sync_every, timeout=20, quorum_timeout=20),
+        [recorder],
         max_steps=max_steps,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         default_root_dir=tmp_path,
         **trainer_kwargs,

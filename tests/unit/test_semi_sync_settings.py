@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from support import example_cli
 from torch import nn
 
 from lightning_ft import FTConfigError, FTStrategy
@@ -179,22 +180,7 @@ def test_automatic_split_is_contiguous_disjoint_and_complete(k):
 def test_example_configs_parse_into_the_strategy(config, algorithm, monkeypatch):
     """The example YAMLs reach FTStrategy through LightningCLI; jsonargparse turns the outer optimizer's
     class_path/init_args into a callable (the ``Callable[[params], Optimizer]`` hint)."""
-    import sys
-
-    from harness import REPO
-    from lightning.pytorch.cli import LightningCLI
-
-    monkeypatch.syspath_prepend(str(REPO / "examples"))
-    import train
-
-    monkeypatch.setattr(sys, "argv", ["train.py", f"--config={REPO / 'examples' / 'configs' / config}"])
-    cli = LightningCLI(
-        train.RegressionModel,
-        train.SyntheticData,
-        run=False,
-        trainer_defaults={"accelerator": "cpu", "devices": 1},
-        save_config_callback=None,
-    )
+    cli = example_cli(monkeypatch, config)
     settings = cli.trainer.strategy.algorithm
     assert settings.algorithm == algorithm and cli.trainer.strategy.settings.use_async_quorum is False
     if algorithm == "diloco":

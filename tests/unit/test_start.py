@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import FakeClock
+from support import trainer as make_trainer
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
@@ -308,23 +309,13 @@ def test_start_timeout_from_the_argument_the_environment_or_the_default(monkeypa
 
 # ---------------------------------------------------------------- in a real fit (one group, embedded lighthouse)
 def fit(root: Path, max_steps: int, every: int, ckpt_path: str | None = None) -> None:
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from lightning_ft import FTStrategy
 
-    trainer = pl.Trainer(
-        strategy=FTStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1, save_last=True)],
-    )
+    saves = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1, save_last=True)
+    trainer = make_trainer(FTStrategy(), [saves], max_steps=max_steps, default_root_dir=root, enable_checkpointing=True)
     trainer.fit(BoringModel(), ckpt_path=ckpt_path)
 
 
