@@ -7,7 +7,7 @@ returns ``None`` where the part is optional.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import lightning.pytorch as pl
 from torchft import Manager
@@ -18,6 +18,8 @@ from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.settings import FTSettings
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.protocol import StepProtocol
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -62,19 +64,19 @@ def ft_manager(trainer: pl.Trainer) -> Manager:
 
 
 def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
-    ft_manager(trainer)
-    protocol = getattr(trainer.strategy, "step_protocol", None)
-    if not isinstance(protocol, StepProtocol):
-        raise RuntimeError("This callback needs a strategy exposing a lightning_ft StepProtocol as `step_protocol`.")
-    return protocol
+    return _required_part(trainer, "step_protocol", StepProtocol)
 
 
 def ft_collectives(trainer: pl.Trainer) -> CrossGroupCollectives:
+    return _required_part(trainer, "collectives", CrossGroupCollectives)
+
+
+def _required_part(trainer: pl.Trainer, name: str, kind: type[T]) -> T:
     ft_manager(trainer)
-    collectives = getattr(trainer.strategy, "collectives", None)
-    if not isinstance(collectives, CrossGroupCollectives):
-        raise RuntimeError("This callback needs a strategy exposing lightning_ft `collectives`. Use FTStrategy.")
-    return collectives
+    part = getattr(trainer.strategy, name, None)
+    if not isinstance(part, kind):
+        raise RuntimeError(f"This callback needs a strategy exposing a lightning_ft {kind.__name__} as `{name}`.")
+    return part
 
 
 def ft_telemetry(trainer: pl.Trainer) -> FTTelemetry | None:

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
+from support import trainer as make_trainer
 from test_cli import clean_env
 
 from lightning_ft import FTStrategy
@@ -46,16 +46,8 @@ def test_an_unreachable_lighthouse_is_reported_within_connect_timeout(tmp_path, 
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
     url = f"http://127.0.0.1:{_closed_port()}"
-    trainer = pl.Trainer(
-        strategy=FTStrategy(lighthouse=url, connect_timeout=3, quorum_timeout=5, timeout=5),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-    )
+    strategy = FTStrategy(lighthouse=url, connect_timeout=3, quorum_timeout=5, timeout=5)
+    trainer = make_trainer(strategy, max_steps=2, default_root_dir=tmp_path)
     with pytest.raises(RuntimeError, match=rf"{url}.*connect_timeout"):
         trainer.fit(BoringModel())
 

@@ -21,6 +21,7 @@ import torch
 from harness import REPO
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from support import trainer as make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FaultToleranceMonitor, FTStrategy
@@ -184,17 +185,7 @@ def test_the_rich_progress_bar_shows_replicas_too(tmp_path, single_group):
 
 def test_the_monitor_logs_nothing_without_loggers_and_no_bar_is_needed(tmp_path, single_group):
     """``logger=False`` and no progress bar: the monitor still runs (added by default) and breaks nothing."""
-    trainer = pl.Trainer(
-        strategy=FTStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(FTStrategy(), max_steps=2, default_root_dir=tmp_path)
     trainer.fit(Regressor(), loader())
     assert any(isinstance(callback, FaultToleranceMonitor) for callback in trainer.callbacks)
     assert not any(key.startswith("ft/") for key in trainer.callback_metrics)

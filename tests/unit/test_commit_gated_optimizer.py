@@ -1,4 +1,4 @@
-"""``CommitGatedOptimizer`` (lightning_ft/commit.py) with a fake step protocol in place of a torchft Manager.
+"""``CommitGatedOptimizer`` (lightning_ft/step/protocol.py) with a fake step protocol in place of a torchft Manager.
 
 Why: the wrapper is where torchft's commit vote meets the real optimizer. Lightning's precision plugin calls
 ``step(closure)``; the closure (forward, backward, clipping, unscaling) must run exactly once, *before* the vote, since

@@ -86,12 +86,14 @@ def deadline(exits: Exits) -> Iterator[Callable[..., SigtermDeadline]]:
         return made[-1]
 
     yield make
-    for each in made:
-        each.uninstall()
-    for thread in watchers():
-        thread.join(timeout=5)
-    signal.signal(signal.SIGTERM, handler)
-    signal.set_wakeup_fd(wakeup_fd)
+    try:
+        for each in made:
+            each.uninstall()
+        for thread in watchers():
+            thread.join(timeout=5)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.set_wakeup_fd(wakeup_fd)
     assert not watchers(), "a watcher thread outlived uninstall()"
 
 
