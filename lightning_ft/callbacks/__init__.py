@@ -31,6 +31,9 @@ from lightning_ft.callbacks.quorum import QuorumCallback
 from lightning_ft.callbacks.sync import SyncCallback
 from lightning_ft.callbacks.transfer import StateTransferCallback
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 
 def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once: bool) -> None:
     """Put the FT callbacks first, unless the user supplied their own instance (or a subclass) of each.
@@ -49,8 +52,6 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
     missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
     trainer.callbacks[0:0] = missing
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 __all__ = [
     "DataPositionCallback",

@@ -27,6 +27,8 @@ from lightning_ft_job import events
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 DATA_POSITION_KEY = "data_position"
+
+
 @dataclass(frozen=True)
 class _PendingReposition:
     iterator_epoch: int  # the epoch this group's iterator reads

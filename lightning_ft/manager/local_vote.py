@@ -31,4 +31,3 @@ class LocalCommitVote:
         if group_rank != 0:
             raise ValueError(f"LocalCommitVote serves a group of one process, but was asked by group rank {group_rank}")
         return should_commit
-

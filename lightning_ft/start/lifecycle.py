@@ -33,7 +33,6 @@ from lightning_ft_job import events
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
-
 class GroupLifecycle:
     """One group's part in "one job, one model" for one fit.
 

@@ -198,14 +198,11 @@ def launch_job(
     return LaunchedJob(process=process, root=root, log_file=log_file, log_name=log_name)
 
 
-
 def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
     """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
     (first_key, first), *others = sorted(states.items())
     for key, state in others:
         assert_tree_equal(first, state, f"{first_key} vs {key}")
-
-
 
 
 def assert_listeners_confined(job: LaunchedJob, groups: int, nproc: int) -> None:

@@ -33,6 +33,7 @@ LIGHTHOUSE_URL = "http://127.0.0.1:29510"
 
 # ---------------------------------------------------------------------------------------------------- unit tests
 
+
 class ScriptedClient:
     """A ManagerClient whose quorum requests give the scripted outcomes in turn (an exception is raised)."""
 

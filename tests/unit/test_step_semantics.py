@@ -21,7 +21,6 @@ from lightning_ft import FTStrategy
 pytestmark = pytest.mark.timeout(120)
 
 
-
 class CountCalls(pl.Callback):
     """Counts the Manager's quorum and commit calls (the real methods still run)."""
 
