@@ -198,8 +198,10 @@ def launch_job(
     return LaunchedJob(process=process, root=root, log_file=log_file, log_name=log_name)
 
 
-def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]]) -> None:
-    """Every replica's model, optimizer and scheduler state equals the first one's, bit for bit."""
+def assert_bit_identical(states: dict[tuple[int, int], dict[str, Any]], replicas: int) -> None:
+    """Exactly ``replicas`` final states were written, and every replica's model, optimizer and scheduler state
+    equals the first one's, bit for bit (one state file alone would prove nothing)."""
+    assert len(states) == replicas, f"expected {replicas} replicas' final states, found {sorted(states)}"
     (first_key, first), *others = sorted(states.items())
     for key, state in others:
         assert_tree_equal(first, state, f"{first_key} vs {key}")

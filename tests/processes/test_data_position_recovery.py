@@ -199,4 +199,4 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
         loaded = {(record["group"], record["replica_group"]) for record in resumed.events("loader_state_loaded")}
         assert loaded == {(0, 0), (1, 1)}
     assert not resumed.events("healed"), "groups resumed from the same checkpoint must not need healing"
-    assert_bit_identical(resumed.final_states())
+    assert_bit_identical(resumed.final_states(), replicas=2)

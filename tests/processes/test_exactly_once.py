@@ -144,7 +144,7 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
     assert sorted(states) == [(0, 0), (1, 0), (2, 0)], sorted(states)
     for key, state in states.items():
         assert state["global_step"] == MAX_STEPS and state["manager_step"] == MAX_STEPS, (key, state["global_step"])
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas=3)
     for group in (0, 1):  # both killed groups came back through a heal from a live peer
         assert [e for e in first.events("healed", group=group) if e["step"] > 0], first.tail()
     return committed_contributions(first)
@@ -261,7 +261,7 @@ def test_exactly_once_data_with_a_hot_spare_taking_a_dead_groups_place(launch):
     assert sorted(states) == [(0, 0), (1, 0), (2, 0)], sorted(states)
     for key, state in states.items():
         assert state["global_step"] == MAX_STEPS and state["manager_step"] == MAX_STEPS, (key, state["global_step"])
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas=3)
     contributions = committed_contributions(job)
     assert len(contributions) == 2 * MAX_STEPS  # two contributing groups in every committed step
     assert_exactly_once(contributions)

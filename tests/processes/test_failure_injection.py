@@ -41,7 +41,7 @@ def assert_identical_at(job: LaunchedJob, *, max_steps: int, committed: int, rep
         assert state["manager_step"] == committed, f"{key}: manager step {state['manager_step']} != {committed}"
         for name, tensor in state["model"].items():
             assert torch.isfinite(tensor).all(), f"{key}: {name} is not finite"
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas)
 
 
 def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
@@ -109,7 +109,7 @@ def assert_the_failure_is_observed(job: LaunchedJob) -> None:
     [exception] = job.events("exception", group=1)
     assert exception["type"] == "InjectedFailure" and exception["pid"] == job.events("failure_injected")[0]["pid"]
     heal = job.events("healed", group=1, pid=job.worker_pid(1, 0))[0]
-    assert heal["receive_seconds"] >= 0 and heal["apply_seconds"] >= 0
+    assert heal["receive_seconds"] > 0 and heal["apply_seconds"] > 0  # a real heal receives and applies a state
     assert heal["seconds"] == pytest.approx(heal["receive_seconds"] + heal["apply_seconds"])
     timeline = load_timeline(job.root)
     assert timeline.num_replica_groups == 2 and timeline.committed_steps == 40

@@ -73,7 +73,18 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
 
 
 def assert_outcome(job: LaunchedJob, *, restarted: int, max_steps: int, replicas: int) -> None:
+    """The job ended at ``max_steps`` with ``replicas`` bit-identical final states; group ``restarted`` healed from a
+    live peer, and every other group stayed up throughout (one process lifetime per rank: a survivor that crashed
+    and healed from the restarted group would otherwise pass)."""
     assert job.wait_exit() == 0, job.tail()
+    lifetimes: dict[tuple[int, int], int] = {}
+    for start in job.events("started"):
+        if start["group"] != restarted:
+            key = (start["group"], start["rank"])
+            lifetimes[key] = lifetimes.get(key, 0) + 1
+    assert lifetimes, f"no surviving group\n{job.tail()}"
+    restarted_survivors = {key: count for key, count in lifetimes.items() if count != 1}
+    assert not restarted_survivors, f"surviving (group, rank) restarted: {restarted_survivors}\n{job.tail()}"
 
     restarted_pid = job.worker_pid(restarted, 0)
     heals = job.events("healed", group=restarted, pid=restarted_pid)
@@ -84,7 +95,7 @@ def assert_outcome(job: LaunchedJob, *, restarted: int, max_steps: int, replicas
     for key, state in states.items():
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
         assert state["manager_step"] == max_steps, f"{key}: manager step {state['manager_step']} != {max_steps}"
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas)
     fingerprints = {record["fingerprint"] for record in job.events("finished")}
     assert len(fingerprints) == 1, fingerprints
 

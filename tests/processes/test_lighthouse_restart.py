@@ -49,7 +49,8 @@ class ScriptedClient:
         return outcome
 
     def should_commit(self, *args: Any, **kwargs: Any) -> bool:
-        return True
+        self.requests.append({"should_commit": (args, kwargs)})
+        return False  # a vote against: the wrapper must hand back the wrapped client's answer, not its own
 
 
 def guarded(client: ScriptedClient, reachable: Callable[[str], bool], clock: FakeClock, limit: float | None = 60.0):
@@ -68,7 +69,8 @@ def test_quorums_pass_through_untouched_while_the_lighthouse_is_up():
     outage = guarded(client, lambda url: probes.append(url) or True, FakeClock())
     assert outage._quorum(**request()) == "quorum"
     assert client.requests == [request()]
-    assert outage.should_commit() is True  # everything else is the wrapped client's
+    assert outage.should_commit(0, 7, True) is False  # everything else is the wrapped client's, answer included
+    assert client.requests[-1] == {"should_commit": ((0, 7, True), {})} and probes == []
 
 
 def test_a_quorum_failure_with_the_lighthouse_up_is_torchfts_error_unchanged():
@@ -257,7 +259,7 @@ def test_training_stalls_while_the_lighthouse_is_down_and_resumes_when_it_is_bac
     for key, state in states.items():
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
         assert state["manager_step"] == max_steps, f"{key}: manager step {state['manager_step']} != {max_steps}"
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas=2)
     for group in (0, 1):
         restarts = [e for e in job.events("started", group=group) if e["time"] > killed_at]
         assert not restarts, f"group {group} restarted instead of riding the outage out"

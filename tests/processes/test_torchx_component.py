@@ -91,6 +91,6 @@ def test_the_component_runs_a_job_with_the_local_cwd_scheduler(tmp_path, monkeyp
     assert sorted(states) == [(0, 0), (1, 0)]
     for key, state in states.items():
         assert state["global_step"] == max_steps and state["manager_step"] == max_steps, key
-    assert_bit_identical(states)
+    assert_bit_identical(states, replicas=2)
     commits = [e for e in read_events(events) if e["event"] == "step" and e.get("committed")]
     assert {e["participants"] for e in commits} == {2}, "every step must have committed with both groups"
