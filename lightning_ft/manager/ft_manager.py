@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 from torchft import Manager
@@ -91,6 +92,28 @@ class FTManager(Manager):
             for observer in self._quorum_observers:
                 observer.quorum_formed(seen)
         self._vet_heal()
+
+    @override
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
+        """Start the quorum as torchft does; at the job's very first step, heal before the forward pass.
+
+        With an asynchronous quorum, torchft 0.2.0 counts every group at the job's highest step as a participant
+        (``max_world_size``). At step 0 with ``init_sync`` that includes the groups that heal from the primary: they
+        sit the step out (their gradient is zeroed), yet the average still divides by them, so the job's first
+        update is ``1 / groups`` of what it should be (measured: half, with 2 groups). Healing them before the
+        forward pass instead, as torchft's synchronous quorum does, makes every counted group contribute a gradient
+        computed on the same weights. Only a process at step 0 waits for this quorum, and only a job at step 0 heals
+        early: a restarted group behind a running job still heals inside the vote and is not counted.
+        """
+        super().start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
+        if not (self._use_async_quorum and allow_heal and self._step == 0):
+            return
+        self.wait_quorum()
+        if self._healing and self._step == 0:  # the whole job is at step 0: torchft's init_sync heal
+            self._apply_pending_state_dict()
+            self._healing = False
 
     def quorum_id(self) -> int:
         """The id of the latest quorum (-1 before the first). torchft 0.2.0 has no accessor for it."""

@@ -24,6 +24,7 @@ from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
 from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
+from lightning_ft.manager.internals import cross_group_process_group
 from lightning_ft_job import events
 
 
@@ -210,7 +211,7 @@ class TestGates(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events.emit("rank_zero", rank_zero=rank_zero_only.rank == 0)
         # Every cross-group allreduce (the DDP comm hook's, Manager.allreduce's) goes through torchft's process group.
-        process_group = trainer.strategy.manager._pg
+        process_group = cross_group_process_group(trainer.strategy.manager)
         allreduce = process_group.allreduce
         pause = self.directory / f"pause.group{self.group}.allreduce"
 
