@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not soak" tests
+	$(BIN)/python -m pytest -m "not soak" --durations=25 tests
 
 # The performance benchmarks of docs/benchmarks.md: step time and memory against DDPStrategy, heal throughput, goodput
 # and recovery against torchrun restarts, the cluster-scale model, and the table and plot of every figure against its
