@@ -28,6 +28,10 @@ Internal                                   Why                                  
 ``Manager._healing``,                      vet a received state before the first        a heal-check hook
 ``_pending_state_dict``,                   collective
 ``_apply_pending_state_dict``
+``Manager._step``, ``_use_async_quorum``   with an asynchronous quorum, heal a job at   counting only contributing
+                                           step 0 before the forward pass (torchft      groups in ``max_world_size``
+                                           counts the healing groups, whose gradient
+                                           it zeroes)
 ``Manager._client``                        ride out lighthouse outages; a one-process   client injection in the
                                            group's vote without an RPC                  constructor
 ``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper

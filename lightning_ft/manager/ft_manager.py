@@ -1,12 +1,14 @@
 """FTManager: torchft's Manager with the few things lightning-ft needs from it, as public methods.
 
-Two behaviours are added where torchft has no hook for them:
+Three behaviours are added where torchft has no hook for them:
 
 * **A healing replica's received state is vetted before anything else happens with it.** With an asynchronous
   quorum, torchft loads the peer's state only at the commit vote, after the gradient allreduce; a model of another
   shape reaches that allreduce first, where Gloo aborts the *healthy* peer's process on the size mismatch. The
   registered checks run as soon as the quorum is known, so the healing group fails alone, with an error naming the
   parameter and both shapes.
+* **A job at step 0 heals before its first forward pass**, also with an asynchronous quorum, so that every group
+  counted in the first step's average contributes to it (:meth:`FTManager.start_quorum`).
 * **Quorum observers** learn how long the training thread waited for each quorum and which quorum it got, measured
   in ``wait_quorum`` itself: every caller that blocks on a quorum passes there (the start of a synchronous step, the
   first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section).
@@ -48,10 +50,10 @@ class FTManager(Manager):
     """torchft's Manager, vetting a healing replica's received state first and telling observers of its quorums.
 
     Relies on attributes of torchft 0.2.0's Manager, all read here and in :mod:`lightning_ft.manager.internals`
-    only: ``_healing`` and ``_pending_state_dict`` (the quorum thread stores the received state there, and the
-    Manager loads it later on the training thread in ``_apply_pending_state_dict``, overridden here to vet first);
-    ``_quorum_future``, ``_quorum_id``, ``_participating_replica_world_size`` and ``_participating_replica_rank``
-    (what the quorum just completed set).
+    only: ``_step`` and ``_use_async_quorum`` (the first step's early heal); ``_healing`` and ``_pending_state_dict``
+    (the quorum thread stores the received state there, and the Manager loads it later on the training thread in
+    ``_apply_pending_state_dict``, overridden here to vet first); ``_quorum_future``, ``_quorum_id``,
+    ``_participating_replica_world_size`` and ``_participating_replica_rank`` (what the quorum just completed set).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
