@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 
 import pytest
@@ -16,10 +17,14 @@ from test_fault_tolerance import GATES, start_together
 from test_observability import PNG_SIGNATURE, ft_rows
 
 from lightning_ft import Failure, FailureInjector, FTConfigError
+from lightning_ft.manager.lighthouse_status import StatusPageUnreadable, read_lighthouse_status
 from lightning_ft_cli import report
 from lightning_ft_cli.timeline import load_timeline
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+PREFIX = "lightning_ft_"  # FTStrategy's replica_id_prefix
 
 
 def inject(*failures: dict) -> str:
@@ -137,16 +142,35 @@ def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_
     record("SIGKILL inside the cross-group allreduce", job, failed_at=injected_at(job), victim=1, survivors=[0])
 
 
+def lighthouse_url(job: LaunchedJob) -> str:
+    """The embedded lighthouse's address, from the launcher's status-page line."""
+
+    def printed() -> re.Match[str] | None:
+        text = job.log_path.read_text(errors="replace") if job.log_path.exists() else ""
+        return re.search(r"status page: (http://\S+?)/ ", text)
+
+    match = job.wait_for("the launcher to print its lighthouse", printed)
+    return match.group(1)
+
+
 def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
-    """Group 1 stops (SIGSTOP: every thread, heartbeats included) at step 8 for 8 seconds, longer than the 3-second
-    collective timeout. Group 0's step times out and does not commit, the lighthouse drops group 1 (no heartbeats),
-    and group 0 trains alone (slowed down, so that it is still training when group 1 comes back). When group 1
-    continues (SIGCONT), its step fails, it rejoins at the next quorum and heals, in the same process."""
-    max_steps = 60
-    hang = {"kind": "hang", "group": 1, "step": 8, "seconds": 8}
-    slow = {"kind": "slow", "group": 0, "step": 8, "seconds": 0.4, "steps": 40}
-    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--timeout=3", inject(hang, slow), *GATES])
+    """Group 1 stops at step 8 (SIGSTOP: every thread, heartbeats included) until the test continues it. Group 0's
+    step times out (3-second collective timeout) and does not commit, the lighthouse drops group 1 (no heartbeats),
+    and group 0 commits alone until a hold stops it. Group 1 is then continued (SIGCONT); once its heartbeats reach
+    the lighthouse again, group 0 cannot form a quorum without it, so the hold is released: group 1's step fails, it
+    rejoins at the next quorum and heals, in the same process. Gates, not durations, order the whole sequence."""
+    max_steps = 40
+    hang = {"kind": "hang", "group": 1, "step": 8, "seconds": None}
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--timeout=3", inject(hang), *GATES])
+    hold = job.hold_from_step(0, 12)  # group 0 cannot get past step 9 before group 1 has hung at step 8
     start_together(job, groups=2, nproc=1)
+    url = lighthouse_url(job)
+    [hung] = job.wait_for("group 1 to hang", lambda: job.events("failure_injected", group=1))
+    job.wait_held_alone(0, since=hung["time"])
+    assert 1 not in read_lighthouse_status(url).fresh_groups(PREFIX), "the lighthouse still hears the hung group"
+    os.kill(hung["pid"], signal.SIGCONT)
+    job.wait_for("group 1's heartbeats to reach the lighthouse again", lambda: 1 in fresh_groups(url))
+    hold.unlink()
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     solo = [e for e in job.events("step", group=0, committed=True) if e["participants"] == 1]
     assert solo, "group 0 never trained without the hung group"
@@ -155,8 +179,15 @@ def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
     assert heals, f"group 1 did not heal after it resumed\n{job.tail()}"
     together_again = [e for e in job.events("step", group=0, committed=True) if e["step"] > heals[0]["step"]]
     assert together_again and together_again[-1]["participants"] == 2, together_again
-    record("Hung replica (SIGSTOP 8 s, collective timeout 3 s)", job, failed_at=injected_at(job), victim=1,
+    record("Hung replica (SIGSTOP, collective timeout 3 s)", job, failed_at=injected_at(job), victim=1,
            survivors=[0], healed_in_same_process=True)  # fmt: skip
+
+
+def fresh_groups(url: str) -> set[int]:
+    try:
+        return read_lighthouse_status(url).fresh_groups(PREFIX)
+    except StatusPageUnreadable:
+        return set()
 
 
 @pytest.mark.parametrize(
