@@ -173,3 +173,50 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     hold.unlink()
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
     record("SIGKILL of a group inside validation", job, failed_at=killed_at, victim=1, survivors=[0])
+
+
+def test_two_of_three_groups_killed_at_once_both_heal_from_the_third(launch):
+    """3 groups × 1 process. Groups 1 and 2 are SIGKILLed at the same moment, between the same two steps. A quorum
+    needs all 3 groups (lighthouse and ``min_replica_size``), so group 0 waits in its quorum request, commits
+    nothing on its own, and is in the first quorum the restarted groups join: both heal from it, the same source, at
+    the same time, and the three replicas end bit-identical at ``max_steps`` with no committed step lost."""
+    max_steps = 40
+    job = launch(
+        groups=3,
+        launcher_args=["--min-replicas=3"],
+        worker_args=[f"--max-steps={max_steps}", "--min-replica-size=3", "--quorum-timeout=180", *GATES],
+    )
+    start_together(job, groups=3, nproc=1)
+    attempts = {group: job.attempt(group, 0) for group in (1, 2)}
+    victims = {group: job.worker_pid(group, 0, attempts[group]) for group in (1, 2)}
+    job.wait_for(
+        "the three groups to commit 3 steps together",
+        lambda: sum(e["participants"] == 3 for e in job.events("step", group=0, committed=True)) >= 3,
+    )
+    (job.root / "pause.group1.rank0").touch()  # stop both victims between the same two steps
+    (job.root / "pause.group2.rank0").touch()
+    job.wait_for("groups 1 and 2 to stop", lambda: all(job.events("paused", pid=pid) for pid in victims.values()))
+    killed_at = time.time()
+    for pid in victims.values():
+        os.kill(pid, signal.SIGKILL)
+    for group in (1, 2):
+        (job.root / f"pause.group{group}.rank0").unlink()
+    assert job.wait_exit() == 0, job.tail()
+
+    assert len(job.events("started", group=0)) == 1, "group 0 must stay up throughout"
+    final_step = max(job.committed_steps(0, pid=job.worker_pid(0, 0)) or [0])
+    for group in (1, 2):
+        restarted = job.worker_pid(group, 0, attempts[group] + 1)
+        assert restarted, f"torchrun did not restart group {group}"
+        heals = job.events("healed", group=group, pid=restarted)
+        assert heals and heals[0]["step"] > 0, f"group {group} never healed from a live peer\n{job.tail()}"
+    assert final_step == max_steps
+    solo = [e for e in job.events("step", group=0, committed=True) if e["participants"] == 1]
+    assert not solo, f"group 0 committed alone although a quorum needs 3 groups: {solo}"
+    healed_at = {job.events("healed", group=g, pid=job.worker_pid(g, 0))[0]["step"] for g in (1, 2)}
+    assert len(healed_at) == 1, f"the two restarted groups healed at different steps: {healed_at}"
+    states = job.final_states()
+    for key, state in states.items():
+        assert state["global_step"] == state["manager_step"] == max_steps, key
+    assert_bit_identical(states, replicas=3)
+    record("SIGKILL of two of three groups at once", job, failed_at=killed_at, victim=1, survivors=[0])
