@@ -118,6 +118,12 @@ class SyncCallback(Callback):
         if restored is not None:
             self._diloco.load_state_dict(restored)
 
+    @property
+    def outer_state(self) -> dict[str, Any] | None:
+        """With ``algorithm="diloco"`` while fitting: each fragment's global parameters and outer optimizer state
+        (what a checkpoint holds beside the model, and what a heal carries); ``None`` otherwise."""
+        return self._diloco.state_dict() if self._diloco is not None else None
+
     # DiLoCo's global parameters and outer optimizer state go into checkpoints through the checkpoint hooks, not
     # state_dict(): callback state is also part of every heal payload, which carries them already (torchft's own
     # fragment entries).

@@ -43,7 +43,8 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
     job = launch(groups=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay))
     start_together(job, groups=2, nproc=1)
     kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=sync_every // fragments)
-    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=1 + max_steps // (sync_every // fragments) + fragments - 1)
+    syncs = 1 + max_steps // (sync_every // fragments) + fragments - 1
+    assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=syncs)
     joins = [e for e in job.events("step", group=1, pid=job.worker_pid(1, 0)) if e.get("sync") == "join"]
     assert joins[0]["global_step"] < max_steps, f"group 1 was meant to join a periodic sync: {joins[0]}"
 
@@ -69,7 +70,8 @@ def test_a_group_that_restarts_during_the_final_syncs_joins_them_and_trains_no_f
     period = sync_every // fragments
     kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=period, hold_from=max_steps)
     syncs = 1 + max_steps // period + fragments - 1
-    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=syncs, join_participants=1 if async_quorum else 2)
+    participants = 1 if async_quorum else 2
+    assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=syncs, join_participants=participants)
     restarted = job.worker_pid(1, 0)
     joined = job.events("joined_final_syncs", pid=restarted)
     assert joined and joined[0]["global_step"] == max_steps, joined
@@ -118,7 +120,7 @@ def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
     job.wait_for("group 1 to ask for its join sync", lambda: job.events("joining", pid=restarted))
     hold.unlink()
     uninterrupted = 1 + max_steps // (sync_every // fragments) + fragments - 1
-    assert_outcome(job, nproc=1, max_steps=max_steps, syncs=uninterrupted - 1)
+    assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=uninterrupted - 1)
     cut, *later = after(job, killed_at)
     assert not cut["committed"], f"the sync that group 1 died in committed on group 0: {cut}"
     assert later and all(e["committed"] for e in later), later
@@ -174,10 +176,13 @@ def kill_between_syncs_and_restart(
     hold.unlink()
 
 
-def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int, join_participants: int = 2) -> None:
+def assert_outcome(
+    job: LaunchedJob, *, algorithm: str, nproc: int, max_steps: int, syncs: int, join_participants: int = 2
+) -> None:
     """The restarted group healed in a join sync with its peer; every replica ends at ``max_steps`` inner steps and
-    ``syncs`` committed syncs, with bit-identical parameters and LR schedules. Each group keeps its own inner
-    optimizer state (only parameters, or pseudo-gradients, are averaged).
+    ``syncs`` committed syncs, with bit-identical parameters and LR schedules, and with DiLoCo bit-identical global
+    parameters and outer optimizer state. Each group keeps its own inner optimizer state (only parameters, or
+    pseudo-gradients, are averaged).
 
     ``join_participants``: with asynchronous quorum the restarted group heals at its join sync's vote and, as in
     torchft's per-step training, sits that sync out (it is not counted as a participant)."""
@@ -200,8 +205,9 @@ def assert_outcome(job: LaunchedJob, *, nproc: int, max_steps: int, syncs: int, 
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
         assert state["manager_step"] == syncs, f"{key}: manager step {state['manager_step']} != {syncs}"
     first = states[(0, 0)]
+    assert (first["outer_state"] is not None) == (algorithm == "diloco"), first["outer_state"]
     for key, state in states.items():
-        for name in ("model", "lr_schedulers", "lrs"):
+        for name in ("outer_state", "model", "lr_schedulers", "lrs"):  # the cause first: the outer state diverges it
             assert_tree_equal(first[name], state[name], f"{key} {name}")
 
 

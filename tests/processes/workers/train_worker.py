@@ -24,6 +24,7 @@ from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
 import lightning_ft  # noqa: F401  registers "ft"
 from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
+from lightning_ft.callbacks import SyncCallback
 from lightning_ft.manager.internals import cross_group_process_group
 from lightning_ft_job import events
 
@@ -308,6 +309,8 @@ class SaveFinalState(pl.Callback):
             "batches_committed": strategy.manager.batches_committed(),
             "best_model_score": trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None,
             "best_model_path": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
+            # DiLoCo's global parameters and outer optimizer state, which a heal must carry too
+            "outer_state": next((cb.outer_state for cb in trainer.callbacks if isinstance(cb, SyncCallback)), None),
         }
         name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
         torch.save(state, self.out_dir / name)
