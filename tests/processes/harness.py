@@ -105,15 +105,15 @@ class LaunchedJob:
         partial.replace(gate)
         return gate
 
-    def wait_held_alone(self, group: int, since: float, commits: int = 1) -> None:
-        """Wait until ``group`` has committed ``commits`` steps (or syncs) on its own after ``since`` and stopped at
-        its ``from_step`` hold (:meth:`hold_from_step`)."""
+    def wait_held_alone(self, group: int, since: float, commits: int = 1, participants: int = 1) -> None:
+        """Wait until ``group`` has committed ``commits`` steps (or syncs) with ``participants`` groups (on its own,
+        by default) after ``since``, and then stopped at its ``from_step`` hold (:meth:`hold_from_step`)."""
         self.wait_for(
-            f"group {group} to commit {commits} on its own and stop",
+            f"group {group} to commit {commits} with {participants} participant(s) and stop",
             lambda: (
-                self.events("paused", group=group, phase="from_step")
+                any(e["time"] > since for e in self.events("paused", group=group, phase="from_step"))
                 and sum(
-                    e["time"] > since and e["participants"] == 1
+                    e["time"] > since and e["participants"] == participants
                     for e in self.events("step", group=group, committed=True)
                 )
                 >= commits

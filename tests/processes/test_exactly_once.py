@@ -119,19 +119,19 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
         resume(root, 0, 1)
         late.wait_for("group 2 to commit 3 steps with groups 0 and 1", lambda: commits_with(late, 2, 3) >= 3)
 
-        victim_pid = first.worker_pid(0, 0)
+        attempt = first.attempt(0, 0)  # not necessarily 0: an attempt may have failed to start (a port taken)
+        victim_pid = first.worker_pid(0, 0, attempt)
+        # Held before the kill, a few steps on: the survivors commit without group 0, then wait (heartbeating) until
+        # the restarted group 0 asks for a quorum, so that they cannot finish the job before it is back.
+        holds = [first.hold_from_step(group, max(first.committed_steps(group)) + 5) for group in (1, 2)]
         killed_at = time.time()
         os.kill(victim_pid, signal.SIGKILL)
-        # The survivors commit again, without group 0 or (if its restart was quick) with it healed; either way
-        # they must not finish before the restarted group 0 is back.
-        first.wait_for(
-            "group 1 or 2 to commit a step after the kill",
-            lambda: any(commits_since(first, group, killed_at) for group in (1, 2)),
-        )
-        pause(root, 1, 2)
-        restarted = first.wait_for("torchrun to restart group 0", lambda: first.worker_pid(0, 0, 1))
+        for group in (1, 2):
+            first.wait_held_alone(group, since=killed_at, participants=2)
+        restarted = first.wait_for("torchrun to restart group 0", lambda: first.worker_pid(0, 0, attempt + 1))
         first.wait_for("group 0 to ask for its first quorum again", lambda: first.events("joining", pid=restarted))
-        resume(root, 1, 2)
+        for hold in holds:
+            hold.unlink()
 
         assert first.wait_exit() == 0, first.tail()
         assert late.wait_exit() == 0, late.tail()
