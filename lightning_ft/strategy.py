@@ -321,6 +321,15 @@ class FTStrategy(ShardedGroupHooks):
             self._lifecycle.start_where_the_job_is(trainer, self._protocol, self._patches)
         self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
 
+    @override
+    def setup_distributed(self) -> None:
+        """A group of one process needs no rendezvous port: its store binds a free one itself (``MASTER_PORT=0``).
+        torchrun and Lightning choose ``MASTER_PORT`` by binding and closing a free port, which the process binds
+        again only after its imports; a port taken in between fails the start (EADDRINUSE) and costs a restart."""
+        if self.world_size == 1:
+            os.environ["MASTER_PORT"] = "0"
+        super().setup_distributed()
+
     def _section_position(self) -> tuple[int, int, int]:
         """Where this group is when it enters a sync section: committed step, epoch, batches read in this fit."""
         trainer = self.lightning_module.trainer
