@@ -323,9 +323,8 @@ class FTStrategy(ShardedGroupHooks):
 
     @override
     def setup_distributed(self) -> None:
-        """A group of one process needs no rendezvous port: its store binds a free one itself (``MASTER_PORT=0``).
-        torchrun and Lightning choose ``MASTER_PORT`` by binding and closing a free port, which the process binds
-        again only after its imports; a port taken in between fails the start (EADDRINUSE) and costs a restart."""
+        """A one-process group's store binds a free port itself: a ``MASTER_PORT`` chosen by torchrun or Lightning
+        may be taken before this process, after its imports, binds it (EADDRINUSE, a wasted restart)."""
         if self.world_size == 1:
             os.environ["MASTER_PORT"] = "0"
         super().setup_distributed()
