@@ -186,6 +186,7 @@ class FTStrategy(ShardedGroupHooks):
         self._device_mesh: DeviceMesh | None = None
         self._comm_state: FTCommState | None = None
         self._exactly_once = ExactlyOnceTraining()
+        # The job's record through the latest fit; kept after it, so that a save after fit() is recorded as well.
         self._lifecycle: GroupLifecycle | None = None
 
     @classmethod
@@ -488,7 +489,6 @@ class FTStrategy(ShardedGroupHooks):
             self._comm_state.left_behind.shutdown()
         self._comm_state = None
         self._exactly_once = ExactlyOnceTraining()
-        self._lifecycle = None
         if self._handle is not None:
             self._handle.shutdown()
             self._handle = None
