@@ -144,10 +144,16 @@ def human(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def scenarios(measured: Costs, scale: Costs) -> list[tuple[str, int, float, Costs]]:
+def source_of(notes: list[str]) -> str:
+    """How this machine's costs were obtained: measured, except the fields the results files do not hold."""
+    assumed = [field for field in KEYS if not any(note.startswith(f"{field} = ") for note in notes)]
+    return "measured costs" + (f"; {', '.join(assumed)} assumed" if assumed else "")
+
+
+def scenarios(measured: Costs, scale: Costs, source: str) -> list[tuple[str, int, float, Costs]]:
     return [
-        ("this machine (measured costs), 1 failure / group / h", 2, HOUR, measured),
-        ("this machine (measured costs), 1 failure / group / day", 2, DAY, measured),
+        (f"this machine ({source}), 1 failure / group / h", 2, HOUR, measured),
+        (f"this machine ({source}), 1 failure / group / day", 2, DAY, measured),
         ("64 groups, group MTBF 1 week, R_A 60 s", 64, WEEK, replace(scale, r_a=60.0)),
         ("64 groups, group MTBF 1 week, R_A 300 s", 64, WEEK, scale),
         ("1024 groups, group MTBF 1 week, R_A 300 s", 1024, WEEK, scale),
@@ -169,17 +175,18 @@ def table(rows: list[tuple[str, int, float, Costs]], interval: float | None) -> 
     return "\n".join(lines)
 
 
-def plot(path: Path, measured: Costs, scale: Costs, interval: float | None) -> None:
+def plot(path: Path, measured: Costs, scale: Costs, interval: float | None, c_assumed: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    c_source = "assumed" if c_assumed else "measured"
     fig, ax = plt.subplots(2, 2, figsize=(13, 9.5))
     m_job = np.logspace(np.log10(180), np.log10(30 * DAY), 300)
     a_lines = [
-        (f"A, R_A {measured.r_a:g} s, c {measured.c_ckpt:g} s (measured)", measured, "C0"),
+        (f"A, R_A {measured.r_a:g} s (measured), c {measured.c_ckpt:g} s ({c_source})", measured, "C0"),
         ("A, R_A 60 s", replace(scale, r_a=60.0), "C1"),
         (f"A, R_A {scale.r_a:g} s", scale, "C3"),
     ]
@@ -250,12 +257,13 @@ def main() -> None:
     if local_o is not None:
         measured = replace(measured, o=local_o)
         notes.append(f"o = {local_o:.3f} for this machine's rows (step_time_ratio in goodput.json)")
-    md = table(scenarios(measured, scale), args.ckpt_interval)
+    source = source_of(notes)
+    md = table(scenarios(measured, scale, source), args.ckpt_interval)
     text = "\n".join(["Inputs: " + "; ".join(notes) + ".", "", md, ""])
     print(text)
     args.out_md.parent.mkdir(parents=True, exist_ok=True)
     args.out_md.write_text(text)
-    plot(args.out_png, measured, scale, args.ckpt_interval)
+    plot(args.out_png, measured, scale, args.ckpt_interval, c_assumed="c_ckpt assumed" in source)
     print(f"wrote {args.out_md} and {args.out_png}")
 
 
