@@ -176,7 +176,7 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
 
 
 def test_two_of_three_groups_killed_at_once_both_heal_from_the_third(launch):
-    """3 groups × 1 process. Groups 1 and 2 are SIGKILLed at the same moment, between the same two steps. A quorum
+    """3 groups × 1 process. Groups 1 and 2 are SIGKILLed at the same moment, wherever they are in a step. A quorum
     needs all 3 groups (lighthouse and ``min_replica_size``), so group 0 waits in its quorum request, commits
     nothing on its own, and is in the first quorum the restarted groups join: both heal from it, the same source, at
     the same time, and the three replicas end bit-identical at ``max_steps`` with no committed step lost."""
@@ -193,14 +193,12 @@ def test_two_of_three_groups_killed_at_once_both_heal_from_the_third(launch):
         "the three groups to commit 3 steps together",
         lambda: sum(e["participants"] == 3 for e in job.events("step", group=0, committed=True)) >= 3,
     )
-    (job.root / "pause.group1.rank0").touch()  # stop both victims between the same two steps
-    (job.root / "pause.group2.rank0").touch()
-    job.wait_for("groups 1 and 2 to stop", lambda: all(job.events("paused", pid=pid) for pid in victims.values()))
+    # Wherever the two victims are: no step commits without all three groups, and a step that group 0 commits after
+    # their allreduce completed is the state they heal to. (Pausing them first at a batch end cannot work: once one
+    # stops, the other waits in its next quorum and never reaches one.)
     killed_at = time.time()
     for pid in victims.values():
         os.kill(pid, signal.SIGKILL)
-    for group in (1, 2):
-        (job.root / f"pause.group{group}.rank0").unlink()
     assert job.wait_exit() == 0, job.tail()
 
     assert len(job.events("started", group=0)) == 1, "group 0 must stay up throughout"
