@@ -7,7 +7,7 @@ returns ``None`` where the part is optional.
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar
 
 import lightning.pytorch as pl
 from torchft import Manager
@@ -22,7 +22,6 @@ from lightning_ft.step.protocol import StepProtocol
 T = TypeVar("T")
 
 
-@runtime_checkable
 class FaultTolerantStrategy(Protocol):
     """The attributes of a strategy that the lightning-ft callbacks read. ``manager``, ``step_protocol``,
     ``collectives`` and ``telemetry`` exist while fitting (the first and last two also while validating and
