@@ -4,6 +4,9 @@ with bit-identical weights and optimizer state.
 It drives the real thing: ``lightning-ft launch`` (an embedded lighthouse plus one torchrun job per group) running
 ``examples/train.py`` with ``examples/configs/demo.yaml``. It follows the job through the event log that
 ``--events-dir`` turns on, and kills the victim by PID. The full output of the job goes to ``<run>/launch.log``.
+
+While group 1 restarts, the demo holds group 0 between two steps (``examples/demo_hold.py``), so that on a busy
+machine group 0 cannot finish its remaining steps before group 1 is back to heal from it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> int:
         for stale in (run / "events").glob("*.jsonl"):
             stale.unlink()
     run.mkdir(parents=True, exist_ok=True)
+    (run / "hold.group0").unlink(missing_ok=True)
     event_dir = run / "events"
     command = [
         sys.executable, "-m", "lightning_ft_cli", "launch",
@@ -66,8 +70,9 @@ def main() -> int:
         # The job runs in the run directory, so what Lightning writes (its config, logs) stays there.
         job = subprocess.Popen(command, cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return follow(job, event_dir, args.kill_at_step)
+            return follow(job, run, event_dir, args.kill_at_step)
         finally:
+            (run / "hold.group0").unlink(missing_ok=True)
             if job.poll() is None:
                 job.send_signal(signal.SIGTERM)
                 try:
@@ -76,7 +81,7 @@ def main() -> int:
                     os.killpg(job.pid, signal.SIGKILL)
 
 
-def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> int:
+def follow(job: subprocess.Popen[bytes], run: Path, event_dir: Path, kill_at_step: int) -> int:
     started = wait_for("group 1 to start", lambda: events(event_dir, "started", group=1), job)[-1]
     victim, attempt = started["pid"], started["attempt"]
     wait_for(
@@ -98,10 +103,14 @@ def follow(job: subprocess.Popen[bytes], event_dir: Path, kill_at_step: int) -> 
         f"{alone[0]['time'] - killed_at:.2f}s after the kill, with 1 participant",
         flush=True,
     )
+    hold = run / "hold.group0"
+    hold.touch()
+    print("demo: holding group 0 at its next step until group 1 is back, however long its restart takes", flush=True)
 
     restarted = wait_for(
         "torchrun to restart group 1", lambda: events(event_dir, "started", group=1, attempt=attempt + 1), job
     )
+    hold.unlink()
     restarted_pid = restarted[-1]["pid"]
     print(
         f"demo: torchrun restarted group 1 (pid {restarted_pid}, its Manager up "
