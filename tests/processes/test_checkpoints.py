@@ -84,6 +84,55 @@ def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_pat
     assert_bit_identical(job.final_states(), replicas=2)
 
 
+def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_complete_file(launch, tmp_path):
+    """Group 0, the writer, is SIGKILLed halfway through writing ``last.ckpt`` (half of the bytes in its temporary
+    file). The file on disk is still the previous save, whole; group 1 carries on; the restarted group 0 heals, writes
+    again and sweeps its killed predecessor's temporary file; the job ends with both replicas identical and a
+    ``last.ckpt`` at ``max_steps``."""
+    ckpt_dir = tmp_path / "checkpoints"
+    max_steps = 40
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5", *GATES])
+    start_together(job, groups=2, nproc=1)
+    attempt = job.attempt(0, 0)
+    writer = job.worker_pid(0, 0, attempt)
+    first = job.wait_for(
+        "group 0 to write last.ckpt", lambda: [r for r in saves(job) if r["path"].endswith("last.ckpt")]
+    )[0]
+    gate = job.root / "pause.group0.last_ckpt_write"
+    gate.touch()
+    paused = job.wait_for("group 0 to stop halfway through writing last.ckpt", lambda: job.events(
+        "paused", pid=writer, phase="last_ckpt_write"))[0]  # fmt: skip
+    # Group 1 is held two steps on, until the restarted group 0 asks to join: its next save would replace the file.
+    hold = job.hold_from_step(1, paused["step"] + 2)
+    killed_at = time.time()
+    os.kill(writer, signal.SIGKILL)
+    gate.unlink()
+    job.wait_held_alone(1, since=killed_at)
+
+    on_disk = load(ckpt_dir / "last.ckpt")
+    previous = max(r["step"] for r in saves(job) if r["path"].endswith("last.ckpt"))
+    assert previous < paused["step"] and first["step"] <= previous
+    assert on_disk["global_step"] == previous, f"last.ckpt holds step {on_disk['global_step']}, not {previous}"
+    assert manager_state(on_disk)["step"] == previous
+    partial = Path(paused["path"])
+    assert partial.exists() and partial.stat().st_size > 0, "the killed writer's temporary file should be on disk"
+
+    restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt + 1))
+    job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    hold.unlink()
+    assert job.wait_exit() == 0, job.tail()
+
+    assert len(job.events("started", group=1)) == 1, "group 1 must stay up throughout"
+    assert_one_writer_per_save(job)
+    assert not list(ckpt_dir.glob(".*.partial")), "the killed writer's temporary file was never swept"
+    last = load(ckpt_dir / "last.ckpt")
+    assert last["global_step"] == manager_state(last)["step"] == max_steps
+    states = job.final_states()
+    for key, state in states.items():
+        assert state["global_step"] == state["manager_step"] == max_steps, key
+    assert_bit_identical(states, replicas=2)
+
+
 def assert_only_group_zero_logged(job: LaunchedJob, log_dir: Path) -> None:
     loggers = {(record["group"], record["pid"]) for record in job.events("rank_zero") if record["rank_zero"]}
     group_zero_lifetimes = {(0, record["pid"]) for record in job.events("started", group=0)}

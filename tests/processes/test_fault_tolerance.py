@@ -218,3 +218,64 @@ def test_two_of_three_groups_killed_at_once_both_heal_from_the_third(launch):
         assert state["global_step"] == state["manager_step"] == max_steps, key
     assert_bit_identical(states, replicas=3)
     record("SIGKILL of two of three groups at once", job, failed_at=killed_at, victim=1, survivors=[0])
+
+
+def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(launch):
+    """3 groups × 1 process. Group 2 is killed and restarts; the survivor chosen to send it the live state (over
+    HTTP) sends half of the bytes and is SIGKILLed there, its healer's fetch still open. The healer's step fails and
+    commits nowhere; the next quorum, without the dead source, heals it from the other survivor; the source restarts
+    and heals too. Three bit-identical replicas at ``max_steps``, no committed step lost."""
+    max_steps = 50
+    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", *GATES])
+    start_together(job, groups=3, nproc=1)
+    attempt = job.attempt(2, 0)
+    victim = job.worker_pid(2, 0, attempt)
+    job.wait_for(
+        "the three groups to commit 3 steps together",
+        lambda: sum(e["participants"] == 3 for e in job.events("step", group=2, pid=victim, committed=True)) >= 3,
+    )
+    sends = [job.root / f"pause.group{group}.heal_send" for group in (0, 1)]
+    for gate in sends:
+        gate.touch()
+    holds = [job.hold_from_step(group, max(job.committed_steps(2, 0, victim)) + 15) for group in (0, 1)]
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    for group in (0, 1):
+        job.wait_held_alone(group, since=killed_at, participants=2)
+    healer = job.wait_for("torchrun to restart group 2", lambda: job.worker_pid(2, 0, attempt + 1))
+    job.wait_for("group 2 to ask for its first quorum", lambda: job.events("joining", pid=healer))
+    for hold in holds:
+        hold.unlink()
+
+    paused = job.wait_for("a survivor to stop halfway through sending its state", lambda: job.events(
+        "paused", phase="heal_send"))[0]  # fmt: skip
+    source, other = paused["group"], 1 - paused["group"]
+    source_attempt = job.attempt(source, 0)
+    for gate in sends:
+        gate.unlink()
+    # Held at a step from which the restarted source can still join: without it the two left could finish first.
+    hold = job.hold_from_step(other, paused["step"] + 5)
+    source_killed_at = time.time()
+    os.kill(paused["pid"], signal.SIGKILL)
+    restarted_source = job.wait_for(
+        f"torchrun to restart group {source}", lambda: job.worker_pid(source, 0, source_attempt + 1)
+    )
+    job.wait_for(f"group {source} to ask for its first quorum", lambda: job.events("joining", pid=restarted_source))
+    hold.unlink()
+    assert job.wait_exit() == 0, job.tail()
+
+    assert len(job.events("started", group=other)) == 1, f"group {other} must stay up throughout"
+    heals = job.events("healed", pid=healer)
+    assert len(heals) == 1 and heals[0]["time"] > source_killed_at and heals[0]["step"] > 0, (
+        f"group 2 must heal once, from a live peer, after its source died mid-send: {heals}\n{job.tail()}"
+    )
+    failed = [e for e in job.events("step", pid=healer, committed=False) if e["time"] < heals[0]["time"]]
+    assert failed and "error" in failed[0], f"the half-received state must fail the healer's step\n{job.tail()}"
+    source_heals = job.events("healed", pid=restarted_source)
+    assert source_heals and source_heals[0]["step"] > 0, f"group {source} never healed after its restart"
+    states = job.final_states()
+    for key, state in states.items():
+        assert state["global_step"] == state["manager_step"] == max_steps, key
+    assert_bit_identical(states, replicas=3)
+    record("SIGKILL of the heal source halfway through sending", job, failed_at=source_killed_at, victim=source,
+           survivors=[other])  # fmt: skip

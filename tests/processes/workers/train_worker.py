@@ -7,6 +7,7 @@ replicas at the end prove that healing and ``init_sync`` did their job rather th
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import time
@@ -196,6 +197,10 @@ class TestGates(pl.Callback):
       batches before it (``paused`` event).
     * ``<dir>/pause.group<G>.allreduce``: group G stops in its next cross-group allreduce, before handing it to the
       process group: its peers are left waiting in theirs (``paused`` event).
+    * ``<dir>/pause.group<G>.heal_send``: when group G next serves its state to a healing group over HTTP, it sends
+      the first half of the bytes and stops there (``paused`` event), the healing group's fetch still open.
+    * ``<dir>/pause.group<G>.last_ckpt_write``: when group G next writes ``last.ckpt``, it writes the first half of
+      the bytes to the temporary file and stops there (``paused`` event with the file's ``path``).
     """
 
     def __init__(self, directory: str, group: int, deadline_s: float = 120.0) -> None:
@@ -223,8 +228,52 @@ class TestGates(pl.Callback):
             return allreduce(*args, **kwargs)
 
         process_group.allreduce = pausing_allreduce
+        self._pause_heal_sends(trainer)
+        self._pause_last_checkpoint_writes(trainer)
         go = self.directory / "go"
         self._wait(go.exists, f"{go} to appear")
+
+    def _send_half_then_pause(self, payload: bytes, stream: Any, pause: Path, **fields: Any) -> None:
+        stream.write(payload[: len(payload) // 2])
+        stream.flush()
+        events.emit("paused", **fields)
+        self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+        stream.write(payload[len(payload) // 2 :])
+
+    def _pause_heal_sends(self, trainer: pl.Trainer) -> None:
+        """The HTTP transport's handler thread streams the state with ``_streaming_save``: wrap it while the gate
+        exists (a test-only patch of torchft's module)."""
+        import torchft.checkpointing.http_transport as http_transport
+
+        save = http_transport._streaming_save
+        pause = self.directory / f"pause.group{self.group}.heal_send"
+
+        def pausing_save(state: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
+            if not pause.exists():
+                return save(state, stream, *args, **kwargs)
+            buffer = io.BytesIO()
+            save(state, buffer, *args, **kwargs)
+            self._send_half_then_pause(buffer.getvalue(), stream, pause, phase="heal_send", step=trainer.global_step)
+
+        http_transport._streaming_save = pausing_save
+
+    def _pause_last_checkpoint_writes(self, trainer: pl.Trainer) -> None:
+        """``AtomicCheckpointIO`` writes ``torch.save(checkpoint, <open temporary file>)``: wrap ``torch.save`` for
+        a temporary file of ``last.ckpt`` while the gate exists."""
+        save = torch.save
+        pause = self.directory / f"pause.group{self.group}.last_ckpt_write"
+
+        def pausing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            name = getattr(f, "name", f)
+            name = os.readlink(f"/proc/self/fd/{name}") if isinstance(name, int) else str(name)  # os.fdopen's file
+            if not (pause.exists() and ".last.ckpt." in name and name.endswith(".partial")):
+                return save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            save(obj, buffer, *args, **kwargs)
+            fields = {"phase": "last_ckpt_write", "step": trainer.global_step, "path": name}
+            self._send_half_then_pause(buffer.getvalue(), f, pause, **fields)
+
+        torch.save = pausing_save
 
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         pause = self.directory / f"pause.group{self.group}.validation"
