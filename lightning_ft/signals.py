@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from lightning_ft_job import events
 
 SIGTERM_GRACE_SECONDS = 5.0
 
@@ -64,6 +67,17 @@ class SigtermDeadline:
         elif previous in (signal.SIG_DFL, None):
             os._exit(128 + signum)
 
+    def _announce(self) -> None:
+        """Say why this process is about to end, in the event log (which outlives a launcher whose pipe carried
+        this process's output) and on stderr."""
+        message = (
+            f"lightning-ft: SIGTERM (parent process {os.getppid()}); this process exits within "
+            f"{self.grace_seconds:.0f} s."
+        )
+        events.emit("sigterm", grace_seconds=self.grace_seconds, ppid=os.getppid())
+        with contextlib.suppress(OSError, ValueError):
+            print(message, file=sys.stderr, flush=True)
+
     def _watch(self, read_fd: int) -> None:
         try:
             while data := os.read(read_fd, 64):
@@ -71,6 +85,7 @@ class SigtermDeadline:
                     with contextlib.suppress(OSError):
                         os.write(self._previous_wakeup_fd, data)
                 if signal.SIGTERM in data:
+                    self._announce()
                     time.sleep(self.grace_seconds)
                     os._exit(128 + signal.SIGTERM)
         finally:

@@ -23,7 +23,7 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft_cli.processes import children_of
+from lightning_ft_cli.processes import children_of, terminate_with_parent
 from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
 from lightning_ft_job.events import ENV_EVENTS_DIR
@@ -321,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=terminate_with_parent(),  # the launcher SIGKILLed: its groups stop, not run on unseen
             )
             groups.append(ReplicaGroup(group_id, process))
             relay = threading.Thread(target=_relay_output, args=(group_id, process.stdout, lock), daemon=True)

@@ -279,3 +279,30 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
     assert_bit_identical(states, replicas=3)
     record("SIGKILL of the heal source halfway through sending", job, failed_at=source_killed_at, victim=source,
            survivors=[other])  # fmt: skip
+
+
+def test_the_launcher_hosting_the_lighthouse_killed_every_group_stops_within_a_bound(launch):
+    """SIGKILL of ``lightning-ft launch``, which hosts the lighthouse and relays the groups' output: no ``finally`` of
+    it runs. Each torchrun agent gets SIGTERM as its parent dies and stops its workers, which say so in the event log
+    and exit within their SIGTERM grace: nothing trains on, unseen, against a lighthouse that is gone."""
+    job = launch(groups=2, nproc_per_group=2, worker_args=["--max-steps=100000", *GATES])
+    start_together(job, groups=2, nproc=2)
+    job.wait_for("every group to commit 3 steps", lambda: all(len(job.committed_steps(g)) >= 3 for g in (0, 1)))
+    workers = [job.started(group, rank) for group in (0, 1) for rank in (0, 1)]
+    started = [record["pid"] for record in workers] + sorted({record["ppid"] for record in workers})
+    assert len(started) == 6  # four workers, two torchrun agents
+    os.kill(job.process.pid, signal.SIGKILL)
+    job.process.wait(timeout=10)
+    killed_at = time.monotonic()
+    bound_s = 60  # SIGTERM grace (5 s) plus process exits on a loaded machine; torchrun's own grace is 30 s
+    try:
+        while not all(process_gone(pid) for pid in started):
+            left = [pid for pid in started if not process_gone(pid)]
+            assert time.monotonic() - killed_at < bound_s, f"still running {bound_s}s after the launcher died: {left}"
+            time.sleep(0.1)
+    finally:  # whatever the outcome, nothing this test started outlives it
+        for pid in started:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    told = {(record["group"], record["rank"]) for record in job.events("sigterm")}
+    assert told == {(group, rank) for group in (0, 1) for rank in (0, 1)}, f"workers that said why they stop: {told}"
