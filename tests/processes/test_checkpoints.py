@@ -189,3 +189,49 @@ def test_kill_every_group_then_resume_from_last_checkpoint(launch, tmp_path):
             "first_commit_after_relaunch_s": round(resumed_at - killed_at, 2),
         }
     )
+
+
+def test_resumed_training_equals_the_uninterrupted_run_and_resumes_with_another_number_of_groups(launch, tmp_path):
+    """One 2-group job runs 40 steps uninterrupted, keeping a checkpoint every 10. From its step-20 checkpoint alone
+    (copied as ``last.ckpt`` into a directory of its own), two jobs resume side by side:
+
+    * 2 groups: steps 21..40 end bit-identical to the uninterrupted run's step 40 (weights, optimizer and scheduler
+      state): a resume loses, repeats and changes nothing.
+    * 3 groups: every group starts at step 21 from the file, none heals, and the 3 replicas end identical at 40.
+    """
+    max_steps, saved_step = 40, 20
+    steps = [f"--max-steps={max_steps}", "--ckpt-every=10", *GATES]
+    reference = launch("reference", groups=2, worker_args=[*steps, f"--ckpt-dir={tmp_path / 'reference_ckpts'}"])
+    start_together(reference, groups=2, nproc=1)
+    assert reference.wait_exit() == 0, reference.tail()
+    (step_file,) = (tmp_path / "reference_ckpts").glob(f"*step={saved_step}.ckpt")
+    assert load(step_file)["global_step"] == saved_step
+
+    resumes = {}
+    for groups in (2, 3):
+        ckpt_dir = tmp_path / f"resume_{groups}_ckpts"
+        ckpt_dir.mkdir()
+        (ckpt_dir / "last.ckpt").write_bytes(step_file.read_bytes())
+        resumes[groups] = launch(
+            f"resume_{groups}", groups=groups, worker_args=[*steps, f"--ckpt-dir={ckpt_dir}", "--resume"]
+        )
+    for groups, job in resumes.items():
+        start_together(job, groups=groups, nproc=1)
+    for groups, job in resumes.items():
+        assert job.wait_exit() == 0, job.tail()
+        for group in range(groups):
+            first_step = job.committed_steps(group)[0]
+            assert first_step == saved_step + 1, f"{groups} groups: group {group} resumed at {first_step}"
+        assert not job.events("healed"), f"{groups} groups resumed from one checkpoint must not need healing"
+        states = job.final_states()
+        for key, state in states.items():
+            assert state["global_step"] == state["manager_step"] == max_steps, (groups, key)
+        assert_bit_identical(states, replicas=groups)
+
+    uninterrupted = reference.final_states()
+    assert_bit_identical(uninterrupted, replicas=2)
+    # (-1, 0): the uninterrupted run's group 0, beside the resumed job's two replicas; the checkpoint directories,
+    # and so ModelCheckpoint's best path, differ by design
+    compared = {(-1, 0): uninterrupted[(0, 0)], **resumes[2].final_states()}
+    training = {key: {k: v for k, v in state.items() if k != "best_model_path"} for key, state in compared.items()}
+    assert_bit_identical(training, replicas=3)
