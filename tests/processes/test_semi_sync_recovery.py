@@ -49,6 +49,21 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
     assert joins[0]["global_step"] < max_steps, f"group 1 was meant to join a periodic sync: {joins[0]}"
 
 
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_semi_sync_in_groups_of_two_processes_one_rank_killed(launch, algorithm):
+    """2 groups × 2 processes (torchrun), a sync every 4 inner steps. Rank 1 of group 1 is SIGKILLed between two
+    syncs: torchrun restarts the whole group, each of its ranks heals from the same rank of group 0 at the join sync
+    (with DiLoCo, the global parameters and outer optimizer state too), and all four replicas end identical."""
+    max_steps, sync_every = 32, 4
+    job = launch(groups=2, nproc_per_group=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, 1, 0))
+    start_together(job, groups=2, nproc=2)
+    kill_between_syncs_and_restart(job, nproc=2, victim_rank=1, sync_period=sync_every)
+    assert_outcome(job, algorithm=algorithm, nproc=2, max_steps=max_steps, syncs=1 + max_steps // sync_every)
+    for rank in range(2):
+        heals = job.events("healed", group=1, rank=rank, pid=job.worker_pid(1, rank))
+        assert heals and heals[0]["step"] > 0, f"group 1 rank {rank} did not heal from a live peer\n{job.tail()}"
+
+
 @pytest.mark.parametrize(
     ("algorithm", "fragments", "delay", "async_quorum"),
     [
