@@ -29,7 +29,7 @@ close to the wall time, the receiver is the bottleneck; far below it, the receiv
 
 Usage::
 
-    python benchmarks/heal_throughput.py                          # 100 MB and 1 GB, 3 repetitions (about 1 minute)
+    python benchmarks/heal_throughput.py      # 100 MB and 1 GB, 3 repetitions (about 1 minute), a new results file
     python benchmarks/heal_throughput.py --sizes 100 --repeats 5 --transports http
 """
 
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run_util import RESULTS, bench_env, machine, median
+from run_util import bench_env, machine, median, new_results_file
 
 TRANSPORTS = ("http", "pg", "pg-inplace")
 HOST = "127.0.0.1"
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000], help="state sizes in MB (1e6 bytes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
-    parser.add_argument("--out", type=Path, default=RESULTS / "heal_throughput.json")
+    parser.add_argument("--out", type=Path, help="a new file (default: results/heal_throughput_<UTC time>.json)")
     # How the driver starts its children.
     parser.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--configs", nargs="+", help=argparse.SUPPRESS)
@@ -328,6 +328,7 @@ def main() -> None:
     if args.role != "driver":
         child(args)
         return
+    args.out = new_results_file(args.out, "heal_throughput")
     if args.repeats < 1 or not all(0 < size * MB <= MAX_BYTES for size in args.sizes):
         parser.error(f"--repeats must be positive and every size in (0, {MAX_BYTES // MB}] MB")
 

@@ -11,13 +11,14 @@ Each run is a real job of 2 processes on this machine, 1 compute thread each:
   default, so that what the setting saves is seen apart from what fault tolerance costs.
 
 The figure of a run is the median time between consecutive optimizer steps after a warm-up, averaged over its two
-processes; the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
+processes in every mode (both ranks of ``ddp``, both groups of ``ft``; until 2026-11-26 ``ddp`` was taken from rank 0
+alone); the figure of a mode is the median over repetitions, which alternate the order of the modes. Ratios are
 against ``ddp`` of the same size. Each repetition also gives a paired ratio (a mode's run against the ``ddp`` run of
 the same repetition, taken minutes apart at most), and their median is reported beside the ratio of medians: the
 machine's speed drifts by 10-30 % over minutes, and pairing cancels the slow part of that drift. The peak RSS is the
 largest of the run's training processes. Usage::
 
-    python benchmarks/overhead.py                 # both sizes (about 5 minutes on 2 cores)
+    python benchmarks/overhead.py                 # both sizes (about 5 minutes on 2 cores), a new results file
     python benchmarks/overhead.py --sizes 1m --repeats 1
     python benchmarks/overhead.py --sizes 1m --repeats 12 --modes ddp ft \\
         --out benchmarks/results/overhead_1m_12reps.json
@@ -28,12 +29,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from run_util import LIGHTNING_FT, RESULTS, machine, median, run_job
+from run_util import LIGHTNING_FT, machine, median, new_results_file, run_job
 
 MODES = ("ddp", "ft", "torchft")  # what a run measures unless --modes says otherwise
 # ddp_view: DDPStrategy(gradient_as_bucket_view=True), the like-for-like anchor for FTStrategy's default of the same
@@ -41,6 +43,11 @@ ALL_MODES = ("ddp", "ddp_view", "ft", "torchft")
 STEPS = {"1m": 300, "50m": 20}
 WARMUP = {"1m": 50, "50m": 4}  # step intervals skipped: process start, init_sync's heal, allocator warm-up
 REPEATS = {"1m": 3, "50m": 2}  # a 50M run takes about 40 s here; its steps vary less
+PROCESSES = 2  # training processes per run, in every mode; each writes its own step record
+# How a run's figure was taken, written into its results file so that report.py can tell runs apart: "both_ranks",
+# both processes averaged in every mode. Files without it (before 2026-11-26) averaged ft's two groups but took ddp
+# from rank 0 alone.
+MEASUREMENT = "both_ranks"
 
 
 def command(mode: str, size: str, root: Path) -> list[str]:
@@ -63,10 +70,11 @@ def command(mode: str, size: str, root: Path) -> list[str]:
 
 def measure(mode: str, size: str, scratch: Path, rep: int) -> dict[str, Any]:
     root = scratch / f"{size}-{mode}-{rep}"
+    load = os.getloadavg()[0]  # the 1-minute load as the job starts: another job on the machine shows here
     code = run_job(command(mode, size, root), root / "job.log", timeout=300)
     files = sorted(root.glob("steps.*.json"))
-    if code != 0 or not files:
-        raise RuntimeError(f"{mode}/{size} failed (exit {code}); see {root / 'job.log'}")
+    if code != 0 or len(files) != PROCESSES:  # every mode's figure averages the same number of processes
+        raise RuntimeError(f"{mode}/{size} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     medians, rss, waits = [], [], []
     for path in files:
         record = json.loads(path.read_text())
@@ -79,9 +87,17 @@ def measure(mode: str, size: str, scratch: Path, rep: int) -> dict[str, Any]:
             waits.append(median([b - a for a, b in itertools.pairwise(totals)][WARMUP[size] :]))
         if record["global_step"] != STEPS[size]:
             raise RuntimeError(f"{mode}/{size}: reached step {record['global_step']}, not {STEPS[size]}")
-    step = sum(medians) / len(medians)
+    step = sum(medians) / len(medians)  # the same two processes averaged in every mode
     print(f"  {size} {mode:8s} rep {rep}: {step * 1000:7.2f} ms/step, peak RSS {max(rss) / 2**20:6.0f} MiB", flush=True)
-    run = {"mode": mode, "size": size, "rep": rep, "step_s": step, "per_process_step_s": medians, "rss": max(rss)}
+    run = {
+        "mode": mode,
+        "size": size,
+        "rep": rep,
+        "step_s": step,
+        "per_process_step_s": medians,
+        "rss": max(rss),
+        "loadavg_1m_start": load,
+    }
     if waits:
         run["quorum_wait_s"] = sum(waits) / len(waits)
     return run
@@ -132,10 +148,12 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["1m", "50m"], choices=sorted(STEPS))
     parser.add_argument("--repeats", type=int, default=None, help="per size (default: 3 at 1M, 2 at 50M)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES, help="ddp is always run")
-    parser.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
+    parser.add_argument("--out", type=Path, help="a new file (default: results/overhead_<UTC time>.json)")
     args = parser.parse_args()
+    args.out = new_results_file(args.out, "overhead")
     modes = tuple(m for m in ALL_MODES if m == "ddp" or m in args.modes)
     runs: list[dict[str, Any]] = []
+    load_start = os.getloadavg()  # the machine's load, so that a reader can judge how quiet the run was
     with tempfile.TemporaryDirectory(prefix="lightning-ft-overhead-") as scratch:
         for size in args.sizes:
             for rep in range(args.repeats or REPEATS[size]):
@@ -150,7 +168,15 @@ def main() -> None:
             f"RSS {row['peak_rss_mib']:.0f} MiB ({row['rss_ratio_vs_ddp']:.2f}x)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "rows": rows, "runs": runs}, indent=1))
+    record = {
+        "machine": machine(),
+        "measurement": MEASUREMENT,
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(os.getloadavg()),
+        "rows": rows,
+        "runs": runs,
+    }
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
 
 

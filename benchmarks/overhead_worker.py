@@ -6,8 +6,9 @@
 ``--mode torchft``: one replica group of raw torchft without Lightning, the torchft README's loop: ``torchft.Manager``,
 ``torchft.ddp.DistributedDataParallel`` and ``torchft.optim.OptimizerWrapper``, under ``lightning-ft launch``.
 
-Every mode trains the same model on the same data with the same optimizer and writes, for each optimizer step, the
-time it ended (``time.perf_counter``), and the process's peak RSS, to ``--out``.
+Every mode trains the same model on the same data with the same optimizer, and every process of every mode writes,
+for each optimizer step, the time it ended (``time.perf_counter``), and the process's peak RSS, to
+``--out`` with its rank (ddp) or replica group (ft, torchft) before the suffix: ``steps.0.json``, ``steps.1.json``.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     )
     started = time.perf_counter()
     trainer.fit(RegressionModule(args.size), DataLoader(data, batch_size=size.batch_size))
+    # Every process of every mode writes its own record (ddp: both ranks; ft: both groups), so that overhead.py
+    # averages the same two processes in each mode. Until 2026-11-26 ddp wrote rank 0's alone.
     rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
     extra: dict[str, Any] = {"global_step": trainer.global_step}
     if args.mode == "ft":  # where the training thread waited for the quorum (strategy.telemetry, the ft/ metrics)
         extra["quorum_wait_s_total"] = quorum_wait[0]
         extra["quorum_wait_s_by_step"] = waits
         extra["refetches"] = refetches[0]
-    if trainer.global_rank == 0 or args.mode == "ft":
-        write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, extra)
+    write(out.with_name(f"{out.stem}.{rank}.json"), step_ends, started, extra)
 
 
 def run_torchft(args: argparse.Namespace, out: Path) -> None:

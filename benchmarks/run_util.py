@@ -8,6 +8,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,15 @@ def run_job(command: list[str], log: Path, timeout: float, env: dict[str, str] |
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def new_results_file(out: Path | None, stem: str) -> Path:
+    """``out``, or ``results/<stem>_<UTC time>.json``; refuses a file that exists. Every run is kept (report.py gives
+    each verdict over all of them), so no run replaces an earlier one's file."""
+    path = out or RESULTS / f"{stem}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    if path.exists():
+        raise SystemExit(f"{path} exists: every run is kept, choose a new --out")
+    return path
 
 
 def median(values: list[float]) -> float:
