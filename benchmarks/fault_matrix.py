@@ -24,7 +24,7 @@ MATRIX_TESTS = [
     "tests/processes/test_fault_tolerance.py",
     "tests/processes/test_failure_injection.py",
     "tests/processes/test_semi_sync_recovery.py::test_semi_sync_sigkill_during_a_sync",
-    "tests/processes/test_checkpoints.py::test_kill_every_group_then_resume_from_last_checkpoint",
+    "tests/processes/test_data_position_recovery.py::test_every_group_resumes_its_own_shard_from_the_last_checkpoint",
     "tests/processes/test_chaos.py",
     "tests/processes/test_lighthouse_restart.py",
     "tests/processes/test_network_partition.py::test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals",

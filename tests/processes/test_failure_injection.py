@@ -295,13 +295,17 @@ def test_a_group_left_behind_in_an_allreduce_gives_it_up_and_heals_without_waiti
     which keeps heartbeating: what a survivor sees when Gloo loses a send after a peer died mid-allreduce. Groups 0
     and 1 form the next quorum without it; group 2 reads the newer quorum id from the lighthouse, gives the
     allreduce up (its step does not commit), and heals at a later quorum, in the same process. The 120-s collective
-    timeout is never what ends it: the injected allreduce would fail with its own message, and the job would end
-    before it fires (groups 0 and 1 are slowed to about 10 s of training after step 8)."""
+    timeout is never what ends it: the injected allreduce would fail with its own message. Groups 0 and 1 are held
+    at step 12 (heartbeating) until group 2 has given the allreduce up, so that the job cannot end first, however
+    long that takes on a loaded machine."""
     max_steps = 40
     stuck = {"kind": "stuck", "group": 2, "step": 8, "at": "allreduce"}
-    slow = [{"kind": "slow", "group": group, "step": 8, "seconds": 0.4, "steps": 25} for group in (0, 1)]
-    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--timeout=120", inject(stuck, *slow), *GATES])
+    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--timeout=120", inject(stuck), *GATES])
+    holds = [job.hold_from_step(group, 12) for group in (0, 1)]
     start_together(job, groups=3, nproc=1)
+    job.wait_for("group 2 to give its allreduce up", lambda: job.events("collective_left_behind"), timeout=100)
+    for hold in holds:
+        hold.unlink()
     assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
     [given_up] = job.events("collective_left_behind")
     assert given_up["group"] == 2 and given_up["step"] == 8 and given_up["newer_quorum_id"] > given_up["quorum_id"]

@@ -138,9 +138,15 @@ def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
 
 def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
     """When torchrun tears a group down, a rank waiting for its dead peer must not sit out torchrun's 30 s grace
-    (nor the 60 s quorum timeout): its Manager would keep the group looking alive to the lighthouse."""
+    (nor the quorum timeout): its Manager would keep the group looking alive to the lighthouse.
+
+    The quorum timeout is 10 minutes, so that the exit can only come from the SIGTERM deadline (5 s): the test
+    waits for it with a deadline of 2 minutes, which a loaded machine cannot outlast by accident."""
     job = launch(
-        groups=1, nproc_per_group=2, max_restarts=0, worker_args=["--max-steps=100000", "--async-quorum=0", *GATES]
+        groups=1,
+        nproc_per_group=2,
+        max_restarts=0,
+        worker_args=["--max-steps=100000", "--async-quorum=0", "--quorum-timeout=600", *GATES],
     )
     start_together(job, groups=1, nproc=2)
     rank0, rank1 = job.worker_pid(0, 0), job.worker_pid(0, 1)
@@ -148,7 +154,8 @@ def test_sigterm_ends_a_rank_blocked_in_a_synchronous_quorum(launch):
     (job.root / "pause.group0.rank1").touch()
     job.wait_for("rank 1 to pause", lambda: job.events("paused", pid=rank1))
     os.kill(rank0, signal.SIGTERM)  # rank 0 is now waiting for rank 1 in the next synchronous quorum
-    job.wait_for("the SIGTERMed rank to exit", lambda: process_gone(rank0), timeout=30)
+    job.wait_for("the SIGTERMed rank to exit", lambda: process_gone(rank0), timeout=120)
+    assert job.events("sigterm", pid=rank0), "the rank did not say why it stopped"
 
 
 def test_sigkill_during_validation_leaves_the_survivor_running(launch):

@@ -28,7 +28,6 @@ LIGHTHOUSE_PORT = 29510  # a fresh namespace has every port free
 HEARTBEAT_TIMEOUT_MS = 1000
 # Generous enough that the link goes down while group 0 still waits in the held allreduce, even on a loaded machine.
 COLLECTIVE_TIMEOUT_S = 5
-PARTITION_S = 8.0  # longer than both: the lighthouse drops group 1 and every collective with it times out
 
 
 @pytest.fixture
@@ -135,8 +134,8 @@ def quorum_requests(log: Path, group: int) -> int:
 @pytest.mark.timeout(300)
 def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(network, tmp_path):
     """Group 1's host is cut off from the lighthouse and group 0 while both are inside a step's gradient allreduce,
-    for PARTITION_S seconds: longer than the heartbeat timeout and the collective timeout. Both allreduces time out
-    and that step commits nowhere; the lighthouse drops group 1 and group 0 commits alone. Group 1 waits in its next
+    until both allreduces have timed out (that step commits nowhere), the lighthouse has dropped group 1 and group 0
+    has committed alone: conditions the test waits for, not a duration. Group 1 waits in its next
     quorum request, which goes through once the link is back: it rejoins in the same process, heals from group 0,
     and both end bit-identical at max_steps.
 
@@ -186,8 +185,7 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
             lambda: [e for e in job1.events("step", group=1, committed=False) if e["time"] > cut_at],
         )
         job0.wait_for("group 0 to commit 3 steps on its own", lambda: len(solo_commits(job0, 0, cut_at)) >= 3)
-        (job0.root / "pause.group0").touch()
-        job0.wait_for(f"the partition to last {PARTITION_S} s", lambda: time.time() > cut_at + PARTITION_S)
+        (job0.root / "pause.group0").touch()  # group 0's solo quorums show that the lighthouse dropped group 1
         requests_before = quorum_requests(lighthouse_log, group=1)
         healed_at = time.time()
         network.heal("group1")

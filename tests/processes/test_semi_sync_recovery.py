@@ -35,31 +35,31 @@ def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: i
     ]
 
 
-@pytest.mark.parametrize(("algorithm", "fragments", "delay"), SEMI_SYNC_CASES)
-def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay):
-    """2 groups x 1 process, a sync every 4 inner steps (one fragment every 2 with 2 fragments; with a delay of 1, a
-    fragment's allreduce overlaps one inner step)."""
-    max_steps, sync_every = 48, 4
-    job = launch(groups=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay))
-    start_together(job, groups=2, nproc=1)
-    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=sync_every // fragments)
+@pytest.mark.parametrize(
+    ("algorithm", "fragments", "delay", "nproc"),
+    [
+        pytest.param("local_sgd", 1, 0, 2, id="local_sgd-groups-of-2"),
+        pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2"),
+        pytest.param("diloco", 2, 0, 1, id="streaming-diloco-2-fragments"),
+        pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1"),
+    ],
+)
+def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay, nproc):
+    """2 groups, a sync every 4 inner steps (one fragment every 2 with 2 fragments; with a delay of 1, a fragment's
+    allreduce overlaps one inner step). In groups of 2 processes (torchrun), rank 1 of group 1 is the one killed:
+    torchrun restarts the whole group, and each of its ranks heals from the same rank of group 0 at the join sync
+    (with DiLoCo, the global parameters and outer optimizer state too)."""
+    max_steps, sync_every = 48 if nproc == 1 else 32, 4
+    job = launch(
+        groups=2, nproc_per_group=nproc, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay)
+    )
+    start_together(job, groups=2, nproc=nproc)
+    kill_between_syncs_and_restart(job, nproc=nproc, victim_rank=nproc - 1, sync_period=sync_every // fragments)
     syncs = 1 + max_steps // (sync_every // fragments) + fragments - 1
-    assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=syncs)
-    joins = [e for e in job.events("step", group=1, pid=job.worker_pid(1, 0)) if e.get("sync") == "join"]
-    assert joins[0]["global_step"] < max_steps, f"group 1 was meant to join a periodic sync: {joins[0]}"
-
-
-@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
-def test_semi_sync_in_groups_of_two_processes_one_rank_killed(launch, algorithm):
-    """2 groups × 2 processes (torchrun), a sync every 4 inner steps. Rank 1 of group 1 is SIGKILLed between two
-    syncs: torchrun restarts the whole group, each of its ranks heals from the same rank of group 0 at the join sync
-    (with DiLoCo, the global parameters and outer optimizer state too), and all four replicas end identical."""
-    max_steps, sync_every = 32, 4
-    job = launch(groups=2, nproc_per_group=2, worker_args=semi_sync_args(max_steps, algorithm, sync_every, 1, 0))
-    start_together(job, groups=2, nproc=2)
-    kill_between_syncs_and_restart(job, nproc=2, victim_rank=1, sync_period=sync_every)
-    assert_outcome(job, algorithm=algorithm, nproc=2, max_steps=max_steps, syncs=1 + max_steps // sync_every)
-    for rank in range(2):
+    assert_outcome(job, algorithm=algorithm, nproc=nproc, max_steps=max_steps, syncs=syncs)
+    for rank in range(nproc):
+        joins = [e for e in job.events("step", group=1, pid=job.worker_pid(1, rank)) if e.get("sync") == "join"]
+        assert joins[0]["global_step"] < max_steps, f"group 1 was meant to join a periodic sync: {joins[0]}"
         heals = job.events("healed", group=1, rank=rank, pid=job.worker_pid(1, rank))
         assert heals and heals[0]["step"] > 0, f"group 1 rank {rank} did not heal from a live peer\n{job.tail()}"
 
