@@ -22,12 +22,13 @@ The break-even MTBF is the one at which progress_B equals goodput_A; at lower MT
 Assumptions and limits: failures are independent, one at a time (no overlap, no failure during a restart or heal)
 and never take out all groups; first order in 1/M, so numbers near 0 are qualitative. B's own rare checkpoints (for
 whole-job loss) are neglected, and so are the survivors' smaller global batch while a group is out and any
-straggler effects. The "measured" costs come from 2 processes on one small machine (``benchmarks/results/
-goodput.json`` and ``overhead.json`` when present, else the defaults below); the "at scale" costs are assumptions
-for illustration, not measurements: a full-job restart of minutes, a longer stall and heal (NCCL timeouts and init,
-weights and optimizer state pulled from a peer), a slower checkpoint write. goodput.json may hold, at its top level or
-in any nested object, ``restart_a_s``, ``stall_s``, ``restart_heal_s`` and ``checkpoint_write_s`` (seconds);
-overhead.json is read for the ``ft`` row's ``ratio_vs_ddp`` (the largest model size present).
+straggler effects. The "measured" costs come from 2 processes on small machines: ``report.cluster_inputs`` takes
+them over every kept run under ``benchmarks/results/``, from the same runs and functions as ``report.py``'s verdicts
+(R_A, D, R_B and this machine's o from the goodput runs, every kill and repetition; the at-scale o is the 50M
+step-time verdict), so that the model and the verdict table cannot disagree; a cost that no run holds takes the
+default below. No run measures the baseline's checkpoint write, c_ckpt: it is assumed. The "at scale" costs are
+assumptions for illustration, not measurements: a full-job restart of minutes, a longer stall and heal (NCCL timeouts
+and init, weights and optimizer state pulled from a peer), a slower checkpoint write.
 
     python benchmarks/cluster_model.py            # docs/img/cluster-model.png, benchmarks/results/cluster_model.md
     python benchmarks/cluster_model.py --ckpt-interval 1800 --out-png /tmp/m.png --out-md /tmp/m.md
@@ -36,23 +37,16 @@ overhead.json is read for the ``ft`` row's ``ratio_vs_ddp`` (the largest model s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from report import cluster_inputs
+from run_util import REPO, RESULTS
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 HOUR, DAY, WEEK = 3600.0, 86400.0, 604800.0
-KEYS = {  # Costs field -> keys accepted in goodput.json
-    "r_a": ("restart_a_s", "torchrun_restart_s", "R_A"),
-    "d": ("stall_s", "survivor_stall_s", "D"),
-    "r_b": ("restart_heal_s", "heal_s", "R_B"),
-    "c_ckpt": ("checkpoint_write_s", "ckpt_write_s", "c_ckpt"),
-}
+MEASURED = ("r_a", "d", "r_b", "c_ckpt")  # the per-failure costs of this machine's rows; o is reported apart
 
 
 @dataclass(frozen=True)
@@ -64,46 +58,25 @@ class Costs:
     c_ckpt: float = 0.5  # A: blocking checkpoint write, s
 
 
-def find(obj: Any, names: tuple[str, ...]) -> float | None:
-    """The first number under one of ``names`` in ``obj`` or any object nested in it."""
-    if isinstance(obj, dict):
-        for name in names:
-            if isinstance(obj.get(name), (int, float)):
-                return float(obj[name])
-        children = list(obj.values())
-    elif isinstance(obj, list):
-        children = obj
+def load_measured(results: Path) -> tuple[Costs, float, list[str]]:
+    """This machine's costs (o: the goodput runs' step-time ratio) and the at-scale o, from ``report.cluster_inputs``
+    where the kept runs hold them, defaults otherwise; the notes say which is which."""
+    inputs, notes = cluster_inputs(results), []
+    values = {}
+    for name in (*MEASURED, "o"):
+        if name in inputs:
+            values[name] = inputs[name].value
+            value = f"{inputs[name].value:.3f}" if name == "o" else f"{inputs[name].value:.3g} s"
+            notes.append(f"{name} = {value} ({inputs[name].source})")
+        else:
+            notes.append(f"{name}: no kept run measures it, default {getattr(Costs(), name):g}")
+    if "o_scale" in inputs:
+        o_scale = inputs["o_scale"].value
+        notes.append(f"o at scale = {o_scale:.3f} ({inputs['o_scale'].source})")
     else:
-        return None
-    for child in children:
-        if (found := find(child, names)) is not None:
-            return found
-    return None
-
-
-def load_measured(results: Path) -> tuple[Costs, list[str]]:
-    """Measured costs where the results files hold them, defaults otherwise; the notes say which is which."""
-    values, notes = {}, []
-    goodput: Any = None
-    try:
-        goodput = json.loads((results / "goodput.json").read_text())
-    except (OSError, ValueError) as error:
-        notes.append(f"goodput.json unusable ({type(error).__name__}): defaults for R_A, D, R_B, c_ckpt")
-    for field, names in KEYS.items():
-        found = find(goodput, names) if goodput is not None else None
-        if found is not None:
-            values[field] = found
-            notes.append(f"{field} = {found:g} from goodput.json")
-        elif goodput is not None:
-            notes.append(f"{field}: none of {names} in goodput.json, default {getattr(Costs(), field):g}")
-    try:
-        rows = [r for r in json.loads((results / "overhead.json").read_text())["rows"] if r.get("mode") == "ft"]
-        row = max(rows, key=lambda r: float(str(r["size"]).rstrip("m")))
-        values["o"] = float(row["ratio_vs_ddp"])
-        notes.append(f"o = {values['o']:.3f} from overhead.json (ft, {row['size']})")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        notes.append(f"overhead.json unusable ({type(error).__name__}): default o = {Costs().o:g}")
-    return Costs(**values), notes
+        o_scale = Costs().o
+        notes.append(f"o at scale: no kept step-time run at 50M, default {o_scale:g}")
+    return Costs(**values), o_scale, notes
 
 
 def young_daly(c_ckpt: float, m_job: float) -> float:
@@ -146,7 +119,7 @@ def human(seconds: float) -> str:
 
 def source_of(notes: list[str]) -> str:
     """How this machine's costs were obtained: measured, except the fields the results files do not hold."""
-    assumed = [field for field in KEYS if not any(note.startswith(f"{field} = ") for note in notes)]
+    assumed = [name for name in MEASURED if not any(note.startswith(f"{name} = ") for note in notes)]
     return "measured costs" + (f"; {', '.join(assumed)} assumed" if assumed else "")
 
 
@@ -186,7 +159,7 @@ def plot(path: Path, measured: Costs, scale: Costs, interval: float | None, c_as
     fig, ax = plt.subplots(2, 2, figsize=(13, 9.5))
     m_job = np.logspace(np.log10(180), np.log10(30 * DAY), 300)
     a_lines = [
-        (f"A, R_A {measured.r_a:g} s (measured), c {measured.c_ckpt:g} s ({c_source})", measured, "C0"),
+        (f"A, R_A {measured.r_a:.3g} s (measured), c {measured.c_ckpt:g} s ({c_source})", measured, "C0"),
         ("A, R_A 60 s", replace(scale, r_a=60.0), "C1"),
         (f"A, R_A {scale.r_a:g} s", scale, "C3"),
     ]
@@ -226,9 +199,10 @@ def plot(path: Path, measured: Costs, scale: Costs, interval: float | None, c_as
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(
-        f"Whole-job restart (A, solid) vs lightning-ft (B, dashed). Measured: R_A {measured.r_a:g} s, "
-        f"c {measured.c_ckpt:g} s, D {measured.d:g} s, R_B {measured.r_b:g} s, o {measured.o:.3f}; "
-        f"at scale (assumed): c {scale.c_ckpt:g} s, D {scale.d:g} s, R_B {scale.r_b:g} s"
+        f"Whole-job restart (A, solid) vs lightning-ft (B, dashed). Measured: R_A {measured.r_a:.3g} s, "
+        f"c {measured.c_ckpt:g} s ({c_source}), D {measured.d:.3g} s, R_B {measured.r_b:.3g} s, o {measured.o:.3f};\n"
+        f"at scale: o {scale.o:.3f} (measured, 50M); assumed c {scale.c_ckpt:g} s, D {scale.d:g} s, "
+        f"R_B {scale.r_b:g} s"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +211,7 @@ def plot(path: Path, measured: Costs, scale: Costs, interval: float | None, c_as
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the results files are")
     parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "img" / "cluster-model.png")
     parser.add_argument("--out-md", type=Path, default=RESULTS / "cluster_model.md")
     parser.add_argument("--ckpt-interval", type=float, default=None, help="A's interval in s (default: Young/Daly)")
@@ -245,18 +220,10 @@ def main() -> None:
     parser.add_argument("--scale-stall", type=float, default=10.0, help="at-scale D, s")
     parser.add_argument("--scale-heal", type=float, default=60.0, help="at-scale R_B, s")
     args = parser.parse_args()
-    measured, notes = load_measured(RESULTS)
-    scale = replace(measured, r_a=args.scale_restart, c_ckpt=args.scale_ckpt, d=args.scale_stall, r_b=args.scale_heal)
-    # The costs measured here come from goodput.py's run (1M parameters, 3 workers on 2 cores), so the rows for this
-    # machine take that run's step-time ratio; the at-scale rows keep the long-step ratio of overhead.json.
-    local_o = (
-        find(json.loads((RESULTS / "goodput.json").read_text()), ("step_time_ratio",))
-        if (RESULTS / "goodput.json").exists()
-        else None
+    measured, o_scale, notes = load_measured(args.results)
+    scale = replace(
+        measured, r_a=args.scale_restart, c_ckpt=args.scale_ckpt, d=args.scale_stall, r_b=args.scale_heal, o=o_scale
     )
-    if local_o is not None:
-        measured = replace(measured, o=local_o)
-        notes.append(f"o = {local_o:.3f} for this machine's rows (step_time_ratio in goodput.json)")
     source = source_of(notes)
     md = table(scenarios(measured, scale, source), args.ckpt_interval)
     text = "\n".join(["Inputs: " + "; ".join(notes) + ".", "", md, ""])

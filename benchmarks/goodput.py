@@ -20,6 +20,9 @@ Usage::
 
     python benchmarks/goodput.py                          # horizon 105 s, kills at 30, 60, 90 s (about 8 minutes)
     python benchmarks/goodput.py --repeats 2 --every 50 200
+
+Each run writes a new file, ``results/goodput_<UTC time>.json`` unless ``--out`` names another new one, and refuses
+to replace an existing file: ``report.py`` gives every verdict over all of them (issue 23).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run_util import BENCH, LIGHTNING_FT, RESULTS, bench_env, machine, median
+from run_util import BENCH, LIGHTNING_FT, bench_env, machine, median, new_results_file
 
 from lightning_ft_job.events import read_events
 
@@ -305,19 +308,26 @@ def main() -> None:
         "--launch-arg", action="append", default=[], help="an extra `lightning-ft launch` option for the ft side"
     )
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="a new file (default: results/goodput_<UTC time>.json); with --summarise-only, the file to recompute",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep every run's logs under this directory")
     parser.add_argument(
         "--summarise-only", action="store_true", help="recompute the summary of the runs already in --out; run nothing"
     )
     args = parser.parse_args()
     if args.summarise_only:
+        if args.out is None:
+            parser.error("--summarise-only needs --out, the results file to recompute")
         results = json.loads(args.out.read_text())
         configs = list(dict.fromkeys(run["config"] for run in results["runs"]))
         results["summary"] = summarise(results["runs"], configs, results["settings"]["horizon_s"])
         args.out.write_text(json.dumps(results, indent=1))
         print(f"rewrote the summary of {args.out}")
         return
+    args.out = new_results_file(args.out, "goodput")
     LAUNCH_ARGS.extend(args.launch_arg)
     configs = [f"restart-{every}" for every in args.every] + ["ft"]
     runs: list[dict[str, Any]] = []
