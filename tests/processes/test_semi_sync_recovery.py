@@ -16,9 +16,10 @@ from test_fault_tolerance import GATES, start_together
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
+# DiLoCo with one fragment is the streaming code path with one fragment and no delay: the streaming cases cover it
+# (and the kill test in groups of two processes runs it).
 SEMI_SYNC_CASES = [
     pytest.param("local_sgd", 1, 0, id="local_sgd"),
-    pytest.param("diloco", 1, 0, id="diloco"),
     pytest.param("diloco", 2, 0, id="streaming-diloco-2-fragments"),
     pytest.param("diloco", 2, 1, id="streaming-diloco-2-fragments-delay-1"),
 ]

@@ -237,7 +237,7 @@ def test_with_stable_membership_every_prediction_holds_and_the_monitor_reports_n
     model = RecordIds()
     strategy = FTStrategy(data_mode="exactly_once", num_replica_groups=1, replica_group_id=0)
     run = trainer(strategy=strategy, callbacks=[ReadMetrics()], max_steps=15)
-    # Workers load 2 × prefetch_factor batches ahead. Spawned, not forked: this process runs torchft's threads.
-    loader = DataLoader(Ids(42), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn")
+    # A worker loads prefetch_factor batches ahead. Spawned, not forked: this process runs torchft's threads.
+    loader = DataLoader(Ids(42), batch_size=4, shuffle=True, num_workers=1, multiprocessing_context="spawn")
     run.fit(model, loader)
     assert reported == [0.0] * 15
