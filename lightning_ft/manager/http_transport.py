@@ -21,7 +21,9 @@ benchmark in ``docs/benchmarks.md`` measures the difference.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import socket
 import threading
 import urllib.request
 from datetime import timedelta
@@ -36,7 +38,7 @@ from torchft.checkpointing import HTTPTransport
 from typing_extensions import override
 
 from lightning_ft.checkpoint_io import refused_global
-from lightning_ft_job.addresses import family_of, is_loopback, numeric_host, url_host
+from lightning_ft_job.addresses import LOOPBACK, family_of, is_loopback, numeric_host, url_host
 
 
 class RefusedPeerStateError(RuntimeError):
@@ -72,6 +74,23 @@ def streaming_load_once(stream: BinaryIO) -> object:
     return _load(zip_file=zip_file, map_location=None, pickle_module=_weights_only_unpickler, encoding="utf-8")
 
 
+def stop_serving(server: ThreadingHTTPServer) -> None:
+    """``server.shutdown()``, without its wait of up to half a second.
+
+    ``serve_forever`` looks at its stop flag only between two waits of its 0.5-s poll interval, so ``shutdown()``
+    returns up to 0.5 s later; on a restarted group's way to its first quorum, that is time the group is not healing.
+    A connection to the server ends the wait at once, so the loop is poked (on loopback) until it has stopped.
+    """
+    stopper = threading.Thread(target=server.shutdown, name="lightning-ft-http-stop", daemon=True)
+    stopper.start()
+    port = server.server_address[1]
+    host = "::1" if server.address_family == socket.AF_INET6 else LOOPBACK
+    while stopper.is_alive():
+        with contextlib.suppress(OSError):
+            socket.create_connection((host, port), timeout=0.5).close()
+        stopper.join(timeout=0.01)
+
+
 class _ThreadingServer(ThreadingHTTPServer):
     request_queue_size = 1024  # as torchft's: every rank of every healing group may ask at once
 
@@ -95,7 +114,7 @@ class CheckpointHTTPTransport(HTTPTransport):
     def _rebind(self, host: str) -> None:
         """Replace the server torchft started on every interface by one on ``host``, with the same handler."""
         handler = self._server.RequestHandlerClass
-        self._server.shutdown()
+        stop_serving(self._server)
         self._server.server_close()
         server_class = type("_BoundServer", (_ThreadingServer,), {"address_family": family_of(host)})
         self._server = server_class((host, 0), handler)

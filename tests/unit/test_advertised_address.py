@@ -9,7 +9,9 @@ namespaces.
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from lightning_ft import FTStrategy
 from lightning_ft.manager.builder import build_cross_group_process_group, checkpoint_transport
-from lightning_ft.manager.http_transport import CheckpointHTTPTransport
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport, stop_serving
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
 
@@ -83,3 +85,16 @@ def test_the_checkpoint_server_advertises_the_chosen_address(hostname, host):
         assert torch.equal(received["weight"], state["weight"])
     finally:
         transport.shutdown(wait=True)
+
+
+def test_stopping_a_server_does_not_wait_for_its_poll_interval():
+    """``stop_serving`` ends ``serve_forever`` at once (a loopback connection wakes its 0.5-s wait): a group moving its
+    checkpoint server onto loopback at start pays nothing for it on its way to healing."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 30.0}, daemon=True)
+    serving.start()
+    stopping = threading.Thread(target=stop_serving, args=(server,), daemon=True)
+    stopping.start()
+    stopping.join(timeout=5)  # a plain shutdown() would return only after the 30-s poll interval
+    assert not stopping.is_alive() and not serving.is_alive()
+    server.server_close()
