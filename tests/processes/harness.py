@@ -96,12 +96,13 @@ class LaunchedJob:
         steps = self.events("step", group=group, rank=rank, committed=True)
         return [record["step"] for record in steps if pid is None or record["pid"] == pid]
 
-    def hold_from_step(self, group: int, step: int) -> Path:
-        """Make ``group`` stop after the batch that takes it to ``global_step`` >= ``step`` (see the worker's
-        ``TestGates``) until the returned file is removed. Written atomically: a worker never reads half a number."""
+    def hold_from_step(self, group: int, step: int, cycle: tuple[int, int] | None = None) -> Path:
+        """Make ``group`` stop after the batch that takes it to ``global_step`` >= ``step`` (with ``cycle=(P, R)``,
+        the first such step that is R modulo P; see the worker's ``TestGates``) until the returned file is removed.
+        Written atomically: a worker never reads half of it."""
         gate = self.root / f"pause.group{group}.from_step"
         partial = gate.with_suffix(".partial")
-        partial.write_text(str(step))
+        partial.write_text(" ".join(map(str, (step, *(cycle or ())))))
         partial.replace(gate)
         return gate
 

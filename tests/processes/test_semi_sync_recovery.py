@@ -55,7 +55,9 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
         groups=2, nproc_per_group=nproc, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay)
     )
     start_together(job, groups=2, nproc=nproc)
-    kill_between_syncs_and_restart(job, nproc=nproc, victim_rank=nproc - 1, sync_period=sync_every // fragments)
+    kill_between_syncs_and_restart(
+        job, nproc=nproc, victim_rank=nproc - 1, sync_period=sync_every // fragments, sync_delay=delay
+    )
     syncs = 1 + max_steps // (sync_every // fragments) + fragments - 1
     assert_outcome(job, algorithm=algorithm, nproc=nproc, max_steps=max_steps, syncs=syncs)
     for rank in range(nproc):
@@ -84,7 +86,9 @@ def test_a_group_that_restarts_during_the_final_syncs_joins_them_and_trains_no_f
     job = launch(groups=2, worker_args=[*args, f"--async-quorum={async_quorum}"])
     start_together(job, groups=2, nproc=1)
     period = sync_every // fragments
-    kill_between_syncs_and_restart(job, nproc=1, victim_rank=0, sync_period=period, hold_from=max_steps)
+    kill_between_syncs_and_restart(
+        job, nproc=1, victim_rank=0, sync_period=period, sync_delay=delay, hold_from=max_steps
+    )
     syncs = 1 + max_steps // period + fragments - 1
     participants = 1 if async_quorum else 2
     assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=syncs, join_participants=participants)
@@ -150,12 +154,23 @@ def after(job: LaunchedJob, moment: float) -> list[dict]:
 
 
 def kill_between_syncs_and_restart(
-    job: LaunchedJob, *, nproc: int, victim_rank: int, sync_period: int, hold_from: int | None = None
+    job: LaunchedJob,
+    *,
+    nproc: int,
+    victim_rank: int,
+    sync_period: int,
+    sync_delay: int = 0,
+    hold_from: int | None = None,
 ) -> None:
     """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
     is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) at ``global_step`` ``hold_from`` until every
     restarted rank of group 1 is about to ask for its join sync, which the lighthouse then holds until group 0's next
     sync.
+
+    "Between two syncs" is a batch end with no sync in flight. Without a delay every batch end is one (a sync is
+    opened and ended at one batch start). With ``sync_delay`` d a sync opened at the batch start of ``global_step``
+    s ends d steps later, so group 1 is held at a ``global_step`` s with s + d a multiple of ``sync_period``: the
+    batch end just before a sync opens.
 
     The hold is set before the kill: group 0 alone runs a whole small job's steps in a fraction of a second, faster
     than a gate set after its first solo sync could stop it. By default it holds two sync periods after group 1's
@@ -170,9 +185,10 @@ def kill_between_syncs_and_restart(
             len([e for e in job.events("step", group=1, pid=victim, committed=True) if e["participants"] == 2]) >= 3
         ),
     )
-    gate = job.root / f"pause.group1.rank{victim_rank}"
-    gate.touch()
-    paused = job.wait_for("group 1 to stop between two syncs", lambda: job.events("paused", pid=victim))
+    gate = job.hold_from_step(1, 0, cycle=(sync_period, (-sync_delay) % sync_period))
+    paused = job.wait_for(
+        "group 1 to stop between two syncs", lambda: job.events("paused", pid=victim, phase="from_step")
+    )
     hold = job.hold_from_step(0, paused[0]["step"] + 2 * sync_period if hold_from is None else hold_from)
     go = job.root / "go"
     go.unlink()

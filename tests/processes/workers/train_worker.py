@@ -182,6 +182,12 @@ class RecordBatches(pl.Callback):
         )
 
 
+def due(global_step: int, hold: str) -> bool:
+    """Whether a ``from_step`` hold ("N" or "N P R", see ``TestGates``) stops a group at ``global_step``."""
+    first, *cycle = (int(part) for part in hold.split())
+    return global_step >= first and (not cycle or global_step % cycle[0] == cycle[1])
+
+
 class TestGates(pl.Callback):
     """File gates the test controls, each waited on with a deadline.
 
@@ -192,6 +198,7 @@ class TestGates(pl.Callback):
     * ``<dir>/pause.group<G>.from_step`` holding a number N: group G stops after the batch that takes its
       ``global_step`` to N or beyond, and stays there while the file exists (``paused`` event). Written before a
       fault, it holds a fast survivor at a known step, where a gate touched after the fault might come too late.
+      "N P R" stops only at a ``global_step`` >= N that is R modulo P (a step where no delayed sync is in flight).
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
       batches before it (``paused`` event).
@@ -295,7 +302,7 @@ class TestGates(pl.Callback):
             events.emit("paused", step=trainer.global_step)
             self._wait(lambda: not rank_pause.exists(), f"{rank_pause} to disappear")
         from_step = self.directory / f"pause.group{self.group}.from_step"
-        if from_step.exists() and trainer.global_step >= int(from_step.read_text()):
+        if from_step.exists() and due(trainer.global_step, from_step.read_text()):
             events.emit("paused", phase="from_step", step=trainer.global_step)
             self._wait(lambda: not from_step.exists(), f"{from_step} to disappear")
 
