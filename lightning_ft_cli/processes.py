@@ -2,6 +2,9 @@
 
 torchrun's elastic agent starts each worker in a session of its own, so signalling the agent's session does not reach
 the workers. The launcher and the chaos monkey find them as the agent's children instead, by PID.
+
+The other way round, :func:`terminate_with_parent` makes the agents end with the launcher when nothing of the
+launcher runs to stop them (it was SIGKILLed).
 """
 
 from __future__ import annotations
