@@ -104,17 +104,13 @@ def test_sigkill_one_of_two_groups(launch):
     """2 groups x 1 process, asynchronous quorum, heal over HTTP (the defaults): the survivor keeps committing, the
     restarted group heals, replicas end identical. (Synchronous quorum with a process-group heal: the validation kill
     below.)"""
-    max_steps, async_quorum, transport = 60, 1, "http"
-    job = launch(
-        groups=2,
-        worker_args=[f"--max-steps={max_steps}", f"--async-quorum={async_quorum}", f"--transport={transport}", *GATES],
-    )
+    max_steps = 60
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--async-quorum=1", "--transport=http", *GATES])
     start_together(job, groups=2, nproc=1)
     killed_at = kill_and_restart(job, victim=1, rank=0, survivor=0)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
-    quorum = "async" if async_quorum else "sync"
-    record(f"SIGKILL of a group between steps ({quorum} quorum, {transport} heal)", job,
-           failed_at=killed_at, victim=1, survivors=[0])  # fmt: skip
+    record("SIGKILL of a group between steps (async quorum, http heal)", job, failed_at=killed_at, victim=1,
+           survivors=[0])  # fmt: skip
 
 
 def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
