@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,9 +26,13 @@ from support import assert_tree_equal as assert_tree_equal
 from support import listening_sockets as listening_sockets
 from support import process_gone as process_gone
 
+from lightning_ft.manager.lighthouse_status import StatusPageUnreadable, read_status_page
 from lightning_ft_job.events import read_events
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
+# torchft 0.2.0's status page: "Next quorum status: ... [H/N participants healthy]", N the groups whose quorum request
+# the lighthouse holds for the next quorum.
+_PENDING_REQUESTS = re.compile(r"\[\d+/(\d+) participants healthy\]")
 T = TypeVar("T")
 
 
@@ -105,6 +110,32 @@ class LaunchedJob:
         partial.write_text(" ".join(map(str, (step, *(cycle or ())))))
         partial.replace(gate)
         return gate
+
+    def lighthouse_url(self) -> str:
+        """The embedded lighthouse's address, from the launcher's status-page line."""
+
+        def printed() -> re.Match[str] | None:
+            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            return re.search(r"status page: (http://\S+?)/ ", text)
+
+        return self.wait_for("the launcher to print its lighthouse", printed).group(1)
+
+    def wait_quorum_requests(self, what: str, count: int = 1) -> None:
+        """Wait until the lighthouse holds ``count`` groups' requests for its next quorum.
+
+        A group's ``joining`` event comes just before its request leaves: a test that releases another group on that
+        event alone races the request to the lighthouse (a group that was the previous quorum's only member forms the
+        next quorum at once with whoever has asked by then)."""
+        url = self.lighthouse_url()
+
+        def pending() -> bool:
+            try:
+                match = _PENDING_REQUESTS.search(read_status_page(url))
+            except StatusPageUnreadable:
+                return False
+            return match is not None and int(match.group(1)) >= count
+
+        self.wait_for(what, pending)
 
     def wait_held_alone(self, group: int, since: float, commits: int = 1, participants: int = 1) -> None:
         """Wait until ``group`` has committed ``commits`` steps (or syncs) with ``participants`` groups (on its own,

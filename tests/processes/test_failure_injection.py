@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 
 import pytest
@@ -142,17 +141,6 @@ def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_
     record("SIGKILL inside the cross-group allreduce", job, failed_at=injected_at(job), victim=1, survivors=[0])
 
 
-def lighthouse_url(job: LaunchedJob) -> str:
-    """The embedded lighthouse's address, from the launcher's status-page line."""
-
-    def printed() -> re.Match[str] | None:
-        text = job.log_path.read_text(errors="replace") if job.log_path.exists() else ""
-        return re.search(r"status page: (http://\S+?)/ ", text)
-
-    match = job.wait_for("the launcher to print its lighthouse", printed)
-    return match.group(1)
-
-
 def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
     """Group 1 stops at step 8 (SIGSTOP: every thread, heartbeats included) until the test continues it. Group 0's
     step times out (3-second collective timeout) and does not commit, the lighthouse drops group 1 (no heartbeats),
@@ -164,7 +152,7 @@ def test_a_hung_replica_is_dropped_and_heals_when_it_resumes(launch):
     job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--timeout=3", inject(hang), *GATES])
     hold = job.hold_from_step(0, 12)  # group 0 cannot get past step 9 before group 1 has hung at step 8
     start_together(job, groups=2, nproc=1)
-    url = lighthouse_url(job)
+    url = job.lighthouse_url()
     [hung] = job.wait_for("group 1 to hang", lambda: job.events("failure_injected", group=1))
     job.wait_held_alone(0, since=hung["time"])
     assert 1 not in read_lighthouse_status(url).fresh_groups(PREFIX), "the lighthouse still hears the hung group"

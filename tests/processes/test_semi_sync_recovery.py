@@ -138,6 +138,7 @@ def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
     )
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its join sync", lambda: job.events("joining", pid=restarted))
+    job.wait_quorum_requests("group 1's join request to reach the lighthouse")
     hold.unlink()
     uninterrupted = 1 + max_steps // (sync_every // fragments) + fragments - 1
     assert_outcome(job, algorithm=algorithm, nproc=1, max_steps=max_steps, syncs=uninterrupted - 1)
@@ -164,7 +165,7 @@ def kill_between_syncs_and_restart(
 ) -> None:
     """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
     is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) at ``global_step`` ``hold_from`` until every
-    restarted rank of group 1 is about to ask for its join sync, which the lighthouse then holds until group 0's next
+    restarted rank of group 1 has asked for its join sync and the lighthouse holds that request, until group 0's next
     sync.
 
     "Between two syncs" is a batch end with no sync in flight. Without a delay every batch end is one (a sync is
@@ -205,6 +206,7 @@ def kill_between_syncs_and_restart(
         ),
     )
     job.wait_for("group 1 to ask for its join sync", lambda: all(job.events("joining", pid=pid) for pid in restarted))
+    job.wait_quorum_requests("group 1's join request to reach the lighthouse")
     hold.unlink()
 
 
