@@ -38,6 +38,9 @@ class SigtermDeadline:
         self._previous_handler: _Handler = None
         self._previous_wakeup_fd = -1
         self._write_fd: int | None = None
+        # Both the main thread's handler (an immediate exit) and the watcher announce; the first one does it, whole.
+        self._announce_lock = threading.RLock()
+        self._announced = False
 
     def install(self) -> None:
         if self._write_fd is not None or threading.current_thread() is not threading.main_thread():
@@ -65,11 +68,20 @@ class SigtermDeadline:
         if callable(previous):
             previous(signum, frame)
         elif previous in (signal.SIG_DFL, None):
+            self._announce()  # the watcher may not have run yet: this exit must not lose the reason
             os._exit(128 + signum)
 
     def _announce(self) -> None:
         """Say why this process is about to end, in the event log (which outlives a launcher whose pipe carried
-        this process's output) and on stderr."""
+        this process's output) and on stderr. Once per process, whichever thread comes first; the other waits for it
+        (re-entrant, for a second SIGTERM arriving in the main thread while it announces)."""
+        with self._announce_lock:
+            if self._announced:
+                return
+            self._announced = True
+            self._write_announcement()
+
+    def _write_announcement(self) -> None:
         message = (
             f"lightning-ft: SIGTERM (parent process {os.getppid()}); this process exits within "
             f"{self.grace_seconds:.0f} s."

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from lightning_ft import signals
 from lightning_ft.signals import SigtermDeadline
 
 pytestmark = pytest.mark.timeout(30)
@@ -153,8 +154,12 @@ def test_with_no_previous_python_handler_the_handler_exits_at_once(
         sigterm.install()
     installed = signal.getsignal(signal.SIGTERM)
     assert callable(installed)
+    announced: list[str] = []
+    monkeypatch.setattr(signals.events, "emit", lambda event, **fields: announced.append(event))
     installed(signal.SIGTERM, None)
     assert exits.calls and exits.calls[0][:2] == (128 + signal.SIGTERM, threading.main_thread().name)
+    # The exit on the main thread may come before the watcher wakes: it must not take the reason with it.
+    assert announced == ["sigterm"], announced
     sigterm.uninstall()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
