@@ -31,6 +31,7 @@ BAD_YAML = [
     ("checkpoint_transport: carrier-pigeon", "checkpoint_transport='carrier-pigeon': choose one of http, pg", 1),
     ('timeout: "soon"', "Parser key \"timeout\":\n          Expected a <class 'float'>. Got value: soon", 2),
     ("timout: 30", "Option 'timout' is not accepted", 2),
+    ("data_mode: exactly_once\n      use_async_quorum: true", "data_mode='exactly_once' with use_async_quorum=True", 1),
 ]
 
 

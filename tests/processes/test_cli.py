@@ -52,24 +52,14 @@ def test_command_line_class_path_and_init_args_reach_the_strategy():
     assert "use_async_quorum: false" in result.stdout
 
 
-def test_yaml_config_trains_with_exactly_once_data_and_refuses_it_with_async_quorum(tmp_path):
-    """``data_mode`` from the command line on top of the YAML: it trains with ``use_async_quorum`` off, and the YAML's
-    ``use_async_quorum: true`` is refused with a message naming both settings."""
+def test_yaml_config_trains_with_exactly_once_data_from_the_command_line(tmp_path):
+    """``data_mode`` from the command line on top of the YAML: it trains with ``use_async_quorum`` off. (With the
+    default ``use_async_quorum: true`` it is refused: ``test_bad_input.py``'s ``BAD_YAML``.)"""
     exactly_once = ["--trainer.strategy.init_args.data_mode=exactly_once", "--trainer.enable_progress_bar=false"]
     result = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", "--trainer.max_steps=3", *exactly_once,
                   "--trainer.strategy.init_args.use_async_quorum=false"], cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_steps=3` reached" in result.stdout + result.stderr
-    refused = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", *exactly_once], cwd=tmp_path)
-    assert refused.returncode != 0
-    assert "data_mode='exactly_once' with use_async_quorum=True" in refused.stderr
-
-
-def test_invalid_yaml_value_fails_fast_naming_the_setting():
-    """Bounded by the subprocess timeout (``run``), not asserted as a time: imports alone vary with the machine."""
-    result = run([sys.executable, str(TRAIN), "fit", f"--config={CONFIG}", "--trainer.strategy.init_args.timeout=-1"])
-    assert result.returncode != 0
-    assert "timeout=-1" in result.stderr
 
 
 def test_launch_reports_a_group_that_runs_out_of_restarts():

@@ -26,6 +26,7 @@ from lightning_ft.data.sidecars import sidecar_path
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 BATCH = 16  # the worker's default --batch-size
+STATEFUL_GROUP = 1  # the resume test's group that reads through StatefulDataLoader; the other one, a plain DataLoader
 
 
 def shard(size: int, group: int, epoch: int, groups: int = 2) -> list[list[int]]:
@@ -150,17 +151,14 @@ def kill_every_group(job: LaunchedJob, ckpt_dir: Path) -> int:
     return step
 
 
-@pytest.mark.parametrize(
-    "stateful", [pytest.param(True, id="StatefulDataLoader"), pytest.param(False, id="DataLoader")]
-)
-def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_path, stateful):
+def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_path):
     """2 groups × 1 process, every group killed, the job resumed with ``ckpt_path="last"``.
 
     7 batches per epoch, checkpoints every 10 steps: every checkpoint falls mid-epoch, in epoch 1 or later. Steps
     1..S of the first job and S+1..60 of the resumed one read, together, each group's shard batch after batch in
-    order: nothing is read twice and nothing is skipped. With ``StatefulDataLoader`` each group restores its own
-    loader state from its sidecar (the worker's dataset refuses another group's); with a plain ``DataLoader`` it
-    counts its way there.
+    order: nothing is read twice and nothing is skipped. Group 1 reads through ``StatefulDataLoader`` and restores its
+    own loader state from its sidecar (the worker's dataset refuses another group's); group 0 reads through a plain
+    ``DataLoader`` and counts its way there. Both kinds in one job: each group's data position is its own.
     """
     ckpt_dir = tmp_path / "checkpoints"
     size, max_steps, per_epoch = 2 * BATCH * 7, 60, 7
@@ -169,7 +167,7 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
         f"--ckpt-dir={ckpt_dir}",
         "--ckpt-every=10",
         f"--index-data={size}",
-        *(["--stateful-loader"] if stateful else []),
+        f"--stateful-loader={STATEFUL_GROUP}",
         *GATES,
     ]
     first = launch("first", groups=2, worker_args=common)
@@ -190,7 +188,7 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
     for group in (0, 1):
         pid = resumed.worker_pid(group, 0)
         (restored,) = resumed.events("data_position_restored", pid=pid)
-        assert restored["source"] == ("loader_state" if stateful else "counting")
+        assert restored["source"] == ("loader_state" if group == STATEFUL_GROUP else "counting"), (group, restored)
         before = [record for record in batches(first, first_pids[group]) if record["step"] <= last_step]
         after = batches(resumed, pid)
         assert [record["step"] for record in before] == list(range(1, last_step + 1))
@@ -198,22 +196,20 @@ def test_every_group_resumes_its_own_shard_from_the_last_checkpoint(launch, tmp_
         for record in before + after:
             assert (record["epoch"], record["batch_idx"]) == divmod(record["step"] - 1, per_epoch), record
         assert_reads_its_own_shard(size, group, before + after)
-    if stateful:
-        loaded = {(record["group"], record["replica_group"]) for record in resumed.events("loader_state_loaded")}
-        assert loaded == {(0, 0), (1, 1)}
+    loaded = {(record["group"], record["replica_group"]) for record in resumed.events("loader_state_loaded")}
+    assert loaded == {(STATEFUL_GROUP, STATEFUL_GROUP)}, loaded
     assert not resumed.events("healed"), "groups resumed from the same checkpoint must not need healing"
     states = resumed.final_states()
     for key, state in states.items():
         assert state["global_step"] == state["manager_step"] == max_steps, key
     assert_bit_identical(states, replicas=2)
-    if not stateful:
-        resumed_at = min(e["time"] for e in resumed.events("step", committed=True))
-        reached = max(max(first.committed_steps(group)) for group in (0, 1))
-        write(
-            {
-                "case": "Kill of the whole job, resume from last.ckpt (every 10 steps)",
-                "identical": True,
-                "steps_lost": reached - last_step,
-                "first_commit_after_relaunch_s": round(resumed_at - killed_at, 2),
-            }
-        )
+    resumed_at = min(e["time"] for e in resumed.events("step", committed=True))
+    reached = max(max(first.committed_steps(group)) for group in (0, 1))
+    write(
+        {
+            "case": "Kill of the whole job, resume from last.ckpt (every 10 steps)",
+            "identical": True,
+            "steps_lost": reached - last_step,
+            "first_commit_after_relaunch_s": round(resumed_at - killed_at, 2),
+        }
+    )
