@@ -35,62 +35,26 @@ def manager_state(checkpoint: dict) -> dict:
     return checkpoint["callbacks"]["ManagerCheckpointCallback"]["manager"]
 
 
-def test_writer_group_dies_and_the_next_group_takes_over_writing(launch, tmp_path):
-    """Also checks the logging rule: only group 0's rank 0 logs, so loggers never share a directory."""
+def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_file_and_the_next_group_takes_over(
+    launch, tmp_path
+):
+    """Group 0, the writer, is SIGKILLed halfway through writing ``last.ckpt`` (half of the bytes in its temporary
+    file). The file on disk is still the previous save, whole. Group 1 carries on and takes over writing while group
+    0 is down; the restarted group 0 heals, writes again and sweeps its killed predecessor's temporary file; the job
+    ends with one writer per save, both replicas identical and a ``last.ckpt`` at ``max_steps``. Also checks the
+    logging rule: only group 0's rank 0 logs, so loggers never share a directory."""
     ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
-    max_steps = 40
+    max_steps, every = 50, 5
     job = launch(
         groups=2,
         worker_args=[
             f"--max-steps={max_steps}",
             f"--ckpt-dir={ckpt_dir}",
-            "--ckpt-every=5",
+            f"--ckpt-every={every}",
             f"--csv-logs={log_dir}",
             *GATES,
         ],
     )
-    start_together(job, groups=2, nproc=1)
-    attempt = job.attempt(0, 0)
-    writer_pid = job.worker_pid(0, 0, attempt)
-    job.wait_for("group 0 to write a checkpoint", lambda: job.events("checkpoint_saved", group=0, pid=writer_pid))
-    # Group 1 is held 15 steps on (3 checkpoints), until the restarted group 0 asks to join; set before the kill, as
-    # a hold set after group 1's first save could come after it had run to the end.
-    hold = job.hold_from_step(1, max(job.committed_steps(0, 0, writer_pid)) + 15)
-    killed_at = time.time()
-    os.kill(writer_pid, signal.SIGKILL)
-    job.wait_for(
-        "group 1 to take over writing and stop",
-        lambda: (
-            job.events("paused", group=1, phase="from_step")
-            and [r for r in job.events("checkpoint_saved", group=1) if r["time"] > killed_at]
-        ),
-    )
-    restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt + 1))
-    job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
-    assert job.wait_exit() == 0, job.tail()
-
-    assert_one_writer_per_save(job)
-    assert all(record["group"] == 0 for record in saves(job) if record["time"] < killed_at)
-    assert not list(ckpt_dir.glob("*.partial")), "a partial checkpoint file was left behind"
-    for path in ckpt_dir.glob("*.ckpt"):
-        checkpoint = load(path)  # every file is whole
-        assert manager_state(checkpoint)["step"] == checkpoint["global_step"], path.name
-    assert_only_group_zero_logged(job, log_dir)
-    last = load(ckpt_dir / "last.ckpt")
-    assert last["global_step"] == max_steps
-    assert len(last["optimizer_states"]) == 1 and len(last["lr_schedulers"]) == 1
-    assert_bit_identical(job.final_states(), replicas=2)
-
-
-def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_complete_file(launch, tmp_path):
-    """Group 0, the writer, is SIGKILLed halfway through writing ``last.ckpt`` (half of the bytes in its temporary
-    file). The file on disk is still the previous save, whole; group 1 carries on; the restarted group 0 heals, writes
-    again and sweeps its killed predecessor's temporary file; the job ends with both replicas identical and a
-    ``last.ckpt`` at ``max_steps``."""
-    ckpt_dir = tmp_path / "checkpoints"
-    max_steps = 40
-    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5", *GATES])
     start_together(job, groups=2, nproc=1)
     attempt = job.attempt(0, 0)
     writer = job.worker_pid(0, 0, attempt)
@@ -101,7 +65,9 @@ def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_complete_fi
     gate.touch()
     paused = job.wait_for("group 0 to stop halfway through writing last.ckpt", lambda: job.events(
         "paused", pid=writer, phase="last_ckpt_write"))[0]  # fmt: skip
-    # Group 1 is held two steps on, until the restarted group 0 asks to join: its next save would replace the file.
+    takeover_until = paused["step"] + 2 * every
+    assert takeover_until < max_steps, f"group 0 stopped late, at step {paused['step']}"
+    # Group 1 is held two steps on: its next save would replace the file the kill must leave alone.
     hold = job.hold_from_step(1, paused["step"] + 2)
     killed_at = time.time()
     os.kill(writer, signal.SIGKILL)
@@ -116,6 +82,16 @@ def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_complete_fi
     partial = Path(paused["path"])
     assert partial.exists() and partial.stat().st_size > 0, "the killed writer's temporary file should be on disk"
 
+    # Then group 1 goes on alone through two saves, which it writes, and stops until group 0 is back.
+    moved_at = time.time()
+    job.hold_from_step(1, takeover_until)
+    job.wait_for(
+        "group 1 to take over writing and stop",
+        lambda: (
+            [r for r in job.events("paused", group=1, phase="from_step") if r["time"] > moved_at]
+            and [r for r in saves(job) if r["group"] == 1 and r["time"] > killed_at]
+        ),
+    )
     restarted = job.wait_for("torchrun to restart group 0", lambda: job.worker_pid(0, 0, attempt + 1))
     job.wait_for("group 0 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     hold.unlink()
@@ -123,9 +99,17 @@ def test_a_writer_killed_while_writing_last_ckpt_leaves_the_previous_complete_fi
 
     assert len(job.events("started", group=1)) == 1, "group 1 must stay up throughout"
     assert_one_writer_per_save(job)
-    assert not list(ckpt_dir.glob(".*.partial")), "the killed writer's temporary file was never swept"
+    assert all(record["group"] == 0 for record in saves(job) if record["time"] < killed_at)
+    assert not list(ckpt_dir.glob("*.partial")) and not list(ckpt_dir.glob(".*.partial")), (
+        "a temporary checkpoint file was left behind"
+    )
+    for path in ckpt_dir.glob("*.ckpt"):
+        checkpoint = load(path)  # every file is whole
+        assert manager_state(checkpoint)["step"] == checkpoint["global_step"], path.name
+    assert_only_group_zero_logged(job, log_dir)
     last = load(ckpt_dir / "last.ckpt")
     assert last["global_step"] == manager_state(last)["step"] == max_steps
+    assert len(last["optimizer_states"]) == 1 and len(last["lr_schedulers"]) == 1
     states = job.final_states()
     for key, state in states.items():
         assert state["global_step"] == state["manager_step"] == max_steps, key

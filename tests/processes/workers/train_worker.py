@@ -198,7 +198,8 @@ class TestGates(pl.Callback):
     * ``<dir>/pause.group<G>``: while it exists, group G stops between batches (its Manager keeps heartbeating).
     * ``<dir>/pause.group<G>.rank<R>``: the same for one rank; it emits a ``paused`` event when it stops.
     * ``<dir>/pause.group<G>.from_step`` holding a number N: group G stops after the batch that takes its
-      ``global_step`` to N or beyond, and stays there while the file exists (``paused`` event). Written before a
+      ``global_step`` to N or beyond, and stays there while the file exists and still holds it there (``paused``
+      event); rewritten with a later N, it moves the hold on. Written before a
       fault, it holds a fast survivor at a known step, where a gate touched after the fault might come too late.
       "N P R" stops only at a ``global_step`` >= N that is R modulo P (a step where no delayed sync is in flight).
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
@@ -304,9 +305,16 @@ class TestGates(pl.Callback):
             events.emit("paused", step=trainer.global_step)
             self._wait(lambda: not rank_pause.exists(), f"{rank_pause} to disappear")
         from_step = self.directory / f"pause.group{self.group}.from_step"
-        if from_step.exists() and due(trainer.global_step, from_step.read_text()):
+
+        def held() -> bool:
+            try:
+                return due(trainer.global_step, from_step.read_text())
+            except FileNotFoundError:
+                return False
+
+        if held():
             events.emit("paused", phase="from_step", step=trainer.global_step)
-            self._wait(lambda: not from_step.exists(), f"{from_step} to disappear")
+            self._wait(lambda: not held(), f"{from_step} to disappear or to name a later step")
 
 
 class RecordMetrics(pl.Callback):
