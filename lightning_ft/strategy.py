@@ -361,9 +361,7 @@ class FTStrategy(ShardedGroupHooks):
         assert isinstance(self.model, DistributedDataParallel)
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
-        self._comm_state = install_ddp_cross_group_hook(
-            self.model, self.manager, self.step_protocol, self.settings.lighthouse, self.world_size
-        )
+        self._comm_state = install_ddp_cross_group_hook(self.model, self.manager, self.step_protocol, self.world_size)
 
     # ------------------------------------------------------------------ job-wide reductions
     @override

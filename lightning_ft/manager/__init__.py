@@ -7,8 +7,9 @@ upgrade is a diff here. The modules:
   and its RPC client, composed once (:func:`~.builder.composed_client`).
 * :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
-* :mod:`.listeners`, :mod:`.quorum_store`: where the Manager's listeners bind, and the dead-store probe of the
-  process group's reconfiguration.
+* :mod:`.listeners`, :mod:`.quorum_store`, :mod:`.moved_on`: where the Manager's listeners bind, the dead-store
+  probe of the process group's reconfiguration, and the marker a group leaves in its old quorum's store when it moves
+  on (what a group left behind in a collective reads).
 * :mod:`.http_transport`, :mod:`.telemetry`: the heal transport (safe loading), and the figures of quorum waits and
   heals.
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process

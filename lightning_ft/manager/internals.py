@@ -11,6 +11,7 @@ They take any Manager (or a test's stand-in with the same attributes):
   torchft's nightly reconfigures the group with ``reconfigure(...)`` instead of ``configure``; both functions only
   need "drop the current inner group", which a ``reset()`` upstream would give.
 * :func:`process_group_timeout`: the wrapper's collective timeout (``ProcessGroupWrapper._timeout``).
+* :func:`moved_on_signal`: the moved-on marker kept by lightning-ft's process group classes (through ``Manager._pg``).
 * :func:`install_client`: replaces the Manager's RPC client (``Manager._client``) once, with the composed wrapper of
   :mod:`lightning_ft.manager.builder`. Upstream hook: client injection in the Manager's constructor.
 
@@ -27,6 +28,8 @@ from typing import Any
 from torchft import Manager, ProcessGroupGloo
 from torchft.process_group import ProcessGroup
 
+from lightning_ft.manager.moved_on import MovedOnSignal
+
 
 def cross_group_process_group(manager: Manager) -> ProcessGroup:
     """The process group between replica groups: rank *r* of every group with rank *r* of the others."""
@@ -36,6 +39,13 @@ def cross_group_process_group(manager: Manager) -> ProcessGroup:
 def crosses_groups_over_gloo(manager: Manager) -> bool:
     """Whether the cross-group process group is Gloo (it carries its own timeout; NCCL needs the Manager's)."""
     return isinstance(manager._pg, ProcessGroupGloo)
+
+
+def moved_on_signal(manager: Manager) -> MovedOnSignal | None:
+    """The moved-on marker of the cross-group process group's current quorum (:mod:`lightning_ft.manager.moved_on`),
+    or None for a process group that lightning-ft did not build."""
+    signal = getattr(getattr(manager, "_pg", None), "moved_on_signal", None)
+    return signal if isinstance(signal, MovedOnSignal) else None
 
 
 def process_group_timeout(process_group: Any, default: timedelta = timedelta(seconds=60)) -> timedelta:

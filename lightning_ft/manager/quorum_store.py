@@ -29,6 +29,8 @@ from typing import Any
 
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
+from lightning_ft.manager.moved_on import MovedOnSignal
+
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -43,19 +45,27 @@ def store_host_port(store_addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """Raise :class:`QuorumStoreGoneError` if the store at ``store_addr`` refuses a TCP connection."""
+def store_refuses_connections(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the store at ``store_addr`` refuses a TCP connection (its process is gone). Slow or unreachable is
+    not refused: the caller's own connection and its timeout decide then."""
     host, port = store_host_port(store_addr)
     try:
         with socket.create_connection((host, port), timeout=timeout):
-            return
-    except ConnectionRefusedError as error:
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`QuorumStoreGoneError` if the store at ``store_addr`` refuses a TCP connection."""
+    if store_refuses_connections(store_addr, timeout):
+        host, port = store_host_port(store_addr)
         raise QuorumStoreGoneError(
             f"lightning-ft: the new quorum's store at {host}:{port} refuses connections: the replica group hosting it "
             f"died after asking for this quorum. This step will not commit; the next quorum goes on without that group."
-        ) from error
-    except OSError:
-        return  # slow or unreachable: torchft's own connection and its timeout decide
+        )
 
 
 if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 0.2.0: ``reconfigure(...)``
@@ -66,10 +76,21 @@ if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 
 
 
 class FailFastOnGoneStore:
-    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``."""
+    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``, and
+    the quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`): the previous quorum is marked as left, and
+    :attr:`moved_on_signal` reads the new one's."""
+
+    @property
+    def moved_on_signal(self) -> MovedOnSignal:
+        signal = self.__dict__.get("_lightning_ft_moved_on")
+        if signal is None:
+            signal = self.__dict__["_lightning_ft_moved_on"] = MovedOnSignal(store_refuses_connections)
+        return signal
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         fail_if_store_gone(store_addr)
+        quorum_id = kwargs.get("quorum_id", args[3] if len(args) > 3 else None)
+        self.moved_on_signal.enter(store_addr, quorum_id)
         super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
 
 

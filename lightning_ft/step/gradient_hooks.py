@@ -38,7 +38,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo, moved_on_signal
 from lightning_ft.step.left_behind import LeftBehindWatch
 from lightning_ft.step.protocol import StepProtocol
 
@@ -190,16 +190,17 @@ def fsdp_cross_group_hook(
 
 
 def install_ddp_cross_group_hook(
-    model: DistributedDataParallel, manager: Manager, protocol: StepProtocol, lighthouse: str | None, group_size: int
+    model: DistributedDataParallel, manager: Manager, protocol: StepProtocol, group_size: int
 ) -> FTCommState:
     """Register :func:`ft_allreduce_hook` on the group's DDP wrapper; returns its state.
 
-    Over Gloo with an external lighthouse, a watch gives up allreduces that the other groups have left behind
-    (:mod:`lightning_ft.step.left_behind`); the embedded lighthouse serves a single group. Other process groups get
-    the Manager's timer on top of their own timeout.
+    Over Gloo, a watch gives up allreduces that another member of the quorum has left behind
+    (:mod:`lightning_ft.step.left_behind`, through the process group's moved-on marker). Other process groups get the
+    Manager's timer on top of their own timeout.
     """
     gloo = crosses_groups_over_gloo(manager)
-    left_behind = LeftBehindWatch(manager, lighthouse) if gloo and lighthouse else None
+    signal = moved_on_signal(manager)
+    left_behind = LeftBehindWatch(manager, signal.moved_on) if gloo and signal is not None else None
     protocol.left_behind = left_behind
     state = FTCommState(
         manager=manager,

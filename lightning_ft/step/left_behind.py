@@ -15,25 +15,26 @@ What this module does instead, for the DDP hook's allreduces over Gloo
 (:func:`lightning_ft.step.gradient_hooks.cross_group_average`):
 
 * Each allreduce hands DDP a future of its own (:meth:`LeftBehindWatch.track`), completed by the allreduce as usual.
-* While one has been pending for longer than ``check_after`` seconds, a watchdog thread reads the lighthouse's status
-  page once per ``interval``. If the lighthouse's current quorum id is newer than the quorum of the pending
-  allreduce, the other groups have formed a quorum without this one. The watchdog gives the allreduce up: it
-  reports :class:`CollectiveLeftBehindError` to the Manager (the step will not commit), then completes DDP's future
-  with the bucket as it is, so the training thread reaches the commit vote.
+* While one has been pending for longer than ``check_after`` seconds, a watchdog thread asks, once per ``interval``,
+  whether another member of the allreduce's quorum has moved on to a newer quorum: the marker that member wrote in
+  the quorum's own store when it reconfigured (:mod:`lightning_ft.manager.moved_on`; a store gone with its primary
+  member counts too). If so, the watchdog gives the allreduce up: it reports :class:`CollectiveLeftBehindError` to
+  the Manager (the step will not commit), then completes DDP's future with the bucket as it is, so the training
+  thread reaches the commit vote.
 * At the vote, :func:`set_aside_process_group` replaces torchft's process group with nothing instead of aborting
   it; the next quorum builds a new one. The old one is held by a daemon thread until its pending operation ends by
   its own timeout, so that its destructor, which joins Gloo's blocked thread, never runs on the training thread.
 * The late completion of a given-up allreduce is ignored: its error belongs to a step that is already lost.
 
-Why giving up is safe: a newer quorum forms only from the requests of groups that have finished (or failed) the
-step's collective, so no peer still needs this group's part of it; and a group that does not commit a step heals
-from a live peer at the next quorum, so no committed step is lost. A wrong guess costs one heal, never a wrong
-weight.
+Why giving up is safe: a member that moved on has left the quorum's process group, so the collective can no longer
+complete (nor can it once a member is dead), and no peer still needs this group's part of it; and a group that does
+not commit a step heals from a live peer at the next quorum, so no committed step is lost. A wrong guess costs one
+heal, never a wrong weight.
 
-Why the status page: torchft 0.2.0's lighthouse has no RPC that reads the quorum without joining it (a heartbeat
-registers a replica, a quorum request joins one). The status page is what the lighthouse's own dashboard polls. If
-it cannot be read, or has no quorum id in the form expected, the watchdog logs once and the Gloo timeout bounds the
-stall as before. Steady-state training never reads it: a step's allreduce takes milliseconds, not ``check_after``.
+The signal needs no lighthouse: it works with the embedded one, an external one and any torchft release that keeps
+the process group's store prefix per quorum. If the quorum's store cannot be read, the watchdog logs once and the
+Gloo timeout bounds the stall as before. Steady-state training never reads it: a step's allreduce takes
+milliseconds, not ``check_after``.
 
 Not covered: FSDP2's hook and the semi-synchronous syncs wait on ``Manager.allreduce`` on the training thread, and
 NCCL's hung collectives are aborted by torchft's own timer (``Manager.wrap_future``).
@@ -51,24 +52,19 @@ from typing import Any
 import torch
 from torchft import Manager
 
-from lightning_ft.manager.lighthouse_status import STATUS_TIMEOUT_S, StatusPageUnreadable, read_lighthouse_status
+from lightning_ft.manager.moved_on import MovedOn, MovedOnUnknown
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
-# An allreduce pending this long is either stuck or moving a lot of data; only then is the lighthouse asked.
+# An allreduce pending this long is either stuck or moving a lot of data; only then is the quorum's store read.
 CHECK_AFTER_S = 1.0
-# How often the status page is read while an allreduce stays pending.
+# How often the marker is read while an allreduce stays pending.
 INTERVAL_S = 0.5
 
 
 class CollectiveLeftBehindError(RuntimeError):
-    """The other replica groups formed a newer quorum while this group's cross-group allreduce was still pending."""
-
-
-def lighthouse_quorum(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> int:
-    """The lighthouse's current quorum id, from its status page (:mod:`lightning_ft.manager.lighthouse_status`)."""
-    return read_lighthouse_status(lighthouse, timeout).quorum_id
+    """Another member of the quorum moved on while this group's cross-group allreduce was still pending."""
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the watch keeps the pending ones in a set
@@ -87,25 +83,23 @@ class LeftBehindWatch:
 
     Args:
         manager: The group's torchft Manager (its current quorum id, and where errors are reported).
-        lighthouse: The lighthouse URL every group was given.
-        read_lighthouse_quorum: Reads the lighthouse's current quorum id (replaceable in tests).
+        moved_on: Whether another member has left the current quorum
+            (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.moved_on`).
         clock: Time source (replaceable in tests).
-        check_after: Seconds an allreduce may be pending before the lighthouse is asked.
-        interval: Seconds between two reads of the lighthouse while one stays pending.
+        check_after: Seconds an allreduce may be pending before the quorum's store is read.
+        interval: Seconds between two reads while one stays pending.
     """
 
     def __init__(
         self,
         manager: Manager,
-        lighthouse: str,
-        read_lighthouse_quorum: Callable[[str], int] = lighthouse_quorum,
+        moved_on: Callable[[], MovedOn | None],
         clock: Callable[[], float] = time.monotonic,
         check_after: float = CHECK_AFTER_S,
         interval: float = INTERVAL_S,
     ) -> None:
         self._manager = manager
-        self._lighthouse = lighthouse
-        self._read_lighthouse_quorum = read_lighthouse_quorum
+        self._moved_on = moved_on
         self._clock = clock
         self._check_after = check_after
         self._interval = interval
@@ -148,35 +142,36 @@ class LeftBehindWatch:
         if not overdue:
             return
         try:
-            current = self._read_lighthouse_quorum(self._lighthouse)
-        except StatusPageUnreadable as error:
+            moved_on = self._moved_on()
+        except MovedOnUnknown as error:
             if not self._warned_unreadable:
                 self._warned_unreadable = True
                 log.warning(
-                    "lightning-ft: a cross-group allreduce has been pending for over %.0fs and the lighthouse's status "
-                    "page cannot tell whether the other groups went on without this one (%s); waiting for the "
-                    "collective timeout (FTStrategy(timeout=...)) instead.",
+                    "lightning-ft: a cross-group allreduce has been pending for over %.0fs and this group cannot tell "
+                    "whether the other groups went on without it (%s); waiting for the collective timeout "
+                    "(FTStrategy(timeout=...)) instead.",
                     self._check_after,
                     error,
                 )
             return
-        self._give_up_older_than(current)
+        if moved_on is not None:
+            self._give_up(moved_on)
 
-    def _give_up_older_than(self, current: int) -> None:
+    def _give_up(self, moved_on: MovedOn) -> None:
         with self._lock:
-            left = [p for p in self._pending if p.quorum_id < current]
+            left = list(self._pending)
             for pending in left:
                 pending.given_up = True
-            self._pending.difference_update(left)
+            self._pending.clear()
             if left:
                 self.process_group_left_behind = True
         if not left:
             return
         waited = self._clock() - min(p.started for p in left)
         error = CollectiveLeftBehindError(
-            f"lightning-ft: the other replica groups formed quorum {current} while this group's cross-group "
-            f"allreduce of quorum {left[0].quorum_id} was still pending after {waited:.1f}s; giving it up. This step "
-            f"will not commit; the group heals from a live peer at the next quorum."
+            f"lightning-ft: {moved_on.describe()} while this group's cross-group allreduce of quorum "
+            f"{left[0].quorum_id} was still pending after {waited:.1f}s; giving it up. This step will not commit; the "
+            f"group heals from a live peer at the next quorum."
         )
         if self._manager.errored() is None:
             log.warning("%s", error)
@@ -186,7 +181,7 @@ class LeftBehindWatch:
             "collective_left_behind",
             step=self._manager.current_step(),
             quorum_id=left[0].quorum_id,
-            newer_quorum_id=current,
+            newer_quorum_id=moved_on.newer_quorum_id,
             waited_s=round(waited, 3),
         )
         for pending in left:

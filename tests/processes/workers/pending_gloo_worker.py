@@ -2,7 +2,7 @@
 
 ``silent``: joins the process group and never calls a collective, so its peer's allreduce stays pending for real;
 it exits when its stdin closes. ``stuck``: starts an allreduce that the silent rank never joins, lets
-:class:`LeftBehindWatch` give it up (a lighthouse reader that reports a newer quorum), sets the process group aside,
+:class:`LeftBehindWatch` give it up (a moved-on signal that reports a newer quorum), sets the process group aside,
 configures a new one-rank group for the next "quorum", runs an allreduce on it, prints ``DONE`` and exits, all while
 the first allreduce is still pending in Gloo (its timeout is far longer than the test waits).
 """
@@ -17,6 +17,7 @@ import torch
 from torchft import ProcessGroupGloo
 
 from lightning_ft.manager.internals import set_aside_process_group
+from lightning_ft.manager.moved_on import MovedOn
 from lightning_ft.step.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 
 GLOO_TIMEOUT = timedelta(seconds=600)
@@ -50,9 +51,7 @@ def main(role: str, store: str) -> None:
         sys.stdin.read()
         return
     manager = FakeManager(pg=pg)
-    watch = LeftBehindWatch(
-        manager, "http://lighthouse", read_lighthouse_quorum=lambda _: 2, check_after=0.2, interval=0.1
-    )
+    watch = LeftBehindWatch(manager, lambda: MovedOn(2), check_after=0.2, interval=0.1)
     buffer = torch.ones(1 << 20)
     work = pg.allreduce([buffer], torch.distributed.AllreduceOptions())
     given_up = watch.track(work.get_future(), buffer, lambda done: done.value()[0])

@@ -1,0 +1,114 @@
+"""Whether the other members of this group's quorum have moved on: a marker in the quorum's own store.
+
+A cross-group collective can only complete while every member of its quorum takes part. A member that has formed a
+newer quorum has abandoned the old one: torchft reconfigures its process group at once, which ends its part of any
+collective of the old quorum. So a member still waiting in such a collective waits for nothing
+(:mod:`lightning_ft.step.left_behind` then gives the collective up instead of waiting out its timeout).
+
+The signal is this project's own, and needs nothing from the lighthouse: every member of quorum *Q* at group rank
+*r* reaches its process group through the same store prefix (``<primary's store>/torchft/<Q>/<r>``, torchft's
+``Manager`` builds it). When a member reconfigures for a newer quorum, :meth:`MovedOnSignal.enter` first writes the
+new quorum id under :data:`MARKER_KEY` in the old quorum's store. A member still in the old quorum reads it with one
+non-blocking ``check`` of its own store client (:meth:`MovedOnSignal.moved_on`).
+
+When the old quorum's store is gone (its primary group died, and the store lived in that group's rank 0), no marker
+can be written or read; but then a member of the quorum is dead, and its collective can never complete either: the
+signal says so. Any other failure to read the store raises :class:`MovedOnUnknown`, and the caller falls back to the
+collective's own timeout.
+
+One quorum id is written per membership change, and a store client is kept per quorum: nothing is read or written
+while steps succeed. A lighthouse that restarts numbers quorums from the start again; a reused quorum id on a
+primary whose store still holds an old marker could then give up a collective pending longer than the watch's
+``check_after``: that costs one uncommitted step and a heal, never a wrong weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import Store
+from torchft.process_group import create_store_client
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+# Inside the process group's own prefix (``torchft/<quorum id>/<group rank>``): one marker per quorum and group rank.
+MARKER_KEY = "lightning_ft/moved_on"
+STORE_TIMEOUT = timedelta(seconds=5)
+
+
+class MovedOnUnknown(RuntimeError):
+    """The quorum's store could not be read, for another reason than being gone."""
+
+
+@dataclass(frozen=True)
+class MovedOn:
+    """Another member left the quorum: for ``newer_quorum_id``, or (``None``) the quorum's store is gone with its
+    primary member."""
+
+    newer_quorum_id: int | None
+
+    def describe(self) -> str:
+        if self.newer_quorum_id is None:
+            return "the quorum's store is gone with the group that hosted it"
+        return f"another replica group moved on to quorum {self.newer_quorum_id}"
+
+
+class MovedOnSignal:
+    """One process's view of its current quorum's marker; :meth:`enter` at each reconfiguration of its process group.
+
+    Args:
+        connect: Opens a store client for a ``host:port/prefix`` address (replaceable in tests).
+        store_gone: Whether the store at an address refuses connections
+            (:func:`lightning_ft.manager.quorum_store.store_refuses_connections`).
+    """
+
+    def __init__(
+        self,
+        store_gone: Callable[[str], bool],
+        connect: Callable[[str, timedelta], Store] = create_store_client,
+    ) -> None:
+        self._connect = connect
+        self._store_gone = store_gone
+        self._lock = threading.Lock()
+        self._store: Store | None = None
+        self._store_addr: str | None = None
+
+    def enter(self, store_addr: str, quorum_id: int | None) -> None:
+        """This process now joins the quorum whose process group lives at ``store_addr``: mark the previous quorum as
+        left (best effort: its store may be gone), then keep a client of the new one to read its marker."""
+        with self._lock:
+            previous, self._store, self._store_addr = self._store, None, None
+        if previous is not None and quorum_id is not None:
+            try:
+                previous.set(MARKER_KEY, str(quorum_id))
+            except Exception as error:  # its primary is gone: its members fail at once anyway
+                log.debug("lightning-ft: could not mark the previous quorum as left: %r", error)
+        try:
+            store = self._connect(store_addr, STORE_TIMEOUT)
+        except Exception as error:  # torchft's own connection, made next, reports what is wrong
+            log.debug("lightning-ft: no marker client for %s: %r", store_addr, error)
+            return
+        with self._lock:
+            self._store, self._store_addr = store, store_addr
+
+    def moved_on(self) -> MovedOn | None:
+        """Whether another member has left the current quorum (or its store is gone); ``None`` while none has.
+
+        Raises :class:`MovedOnUnknown` when there is no current quorum's store to read, or reading it fails while it
+        still accepts connections."""
+        with self._lock:
+            store, store_addr = self._store, self._store_addr
+        if store is None or store_addr is None:
+            raise MovedOnUnknown("no store client for the current quorum")
+        try:
+            if not store.check([MARKER_KEY]):
+                return None
+            return MovedOn(int(store.get(MARKER_KEY)))
+        except Exception as error:
+            if self._store_gone(store_addr):
+                return MovedOn(None)
+            raise MovedOnUnknown(f"cannot read the quorum's store at {store_addr}: {error}") from error
