@@ -192,3 +192,13 @@ def test_the_command_line_tool_imports_neither_lightning_nor_torch_and_its_light
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HEAVY []" in result.stdout, result.stdout
     assert "QUORUM 1 ['only']" in result.stdout, result.stdout
+
+
+def test_version_names_the_installed_distribution():
+    """``lightning-ft --version``: the version ``pyproject.toml`` gives, from the installed distribution's metadata."""
+    from importlib import metadata
+
+    result = run(lightning_ft("--version"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"lightning-ft {metadata.version('lightning-ft')}"
+    assert metadata.version("lightning-ft") == "0.1.0.dev0"

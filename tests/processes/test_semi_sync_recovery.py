@@ -41,7 +41,8 @@ def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: i
     [
         pytest.param("local_sgd", 1, 0, 2, id="local_sgd-groups-of-2"),
         pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2"),
-        pytest.param("diloco", 2, 0, 1, id="streaming-diloco-2-fragments"),
+        # Streaming without a delay joins at a periodic sync here only with a delay (the superset: a fragment's
+        # allreduce in flight across the join); without one it joins the final syncs in the test below.
         pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1"),
     ],
 )
