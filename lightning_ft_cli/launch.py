@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how long the job's first step waits for every group to start before the job starts with the groups "
         f"present; 0 starts at once (sets {ENV_START_TIMEOUT}; default: FTStrategy's, 300)",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print torchft's per-quorum INFO lines (the embedded lighthouse's and the groups' Rust side); by "
+        "default they are off (RUST_LOG=warn), and a RUST_LOG you set wins either way",
+    )
     chaos = parser.add_argument_group("failure rehearsal (SIGKILL a random replica group, never all at once)")
     chaos.add_argument("--chaos-every", type=float, default=None, metavar="SECONDS", help="kill every SECONDS")
     chaos.add_argument(
@@ -140,7 +146,7 @@ def group_environment(
     # machine running every group, the spare threads' wake-ups compete with training (docs/benchmarks.md). torchft
     # reads this variable when it builds those runtimes.
     env.setdefault("TOKIO_WORKER_THREADS", "1")
-    # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for.
+    # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for (--verbose).
     env.setdefault("RUST_LOG", "warn")
     env["PYTHONUNBUFFERED"] = "1"
     if events_dir:
@@ -283,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
     if schedule is not None and events_dir is None:  # the chaos monkey reads the event log
         events_dir = scratch_events = tempfile.mkdtemp(prefix="lightning-ft-events-")
 
+    # torchft's Rust side (the embedded lighthouse here, each group's Manager server) logs several INFO lines per
+    # quorum: one job of 100 steps printed hundreds. Read when the native module loads, so set before the lighthouse
+    # starts; the groups inherit it (group_environment).
+    os.environ.setdefault("RUST_LOG", "info" if args.verbose else "warn")
     lighthouse = None
     url = args.lighthouse
     if url is None:

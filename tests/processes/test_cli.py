@@ -202,3 +202,35 @@ def test_version_names_the_installed_distribution():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"lightning-ft {metadata.version('lightning-ft')}"
     assert metadata.version("lightning-ft") == "0.1.0.dev0"
+
+
+QUORUM_CLIENT = (
+    "import os, sys; from datetime import timedelta\n"
+    "from lightning_ft_job.lighthouse_server import lighthouse_server_class\n"
+    "lighthouse_server_class()  # loads torchft's native module without torch\n"
+    "from torchft._torchft import LighthouseClient\n"
+    "client = LighthouseClient(os.environ['TORCHFT_LIGHTHOUSE'], connect_timeout=timedelta(seconds=10))\n"
+    "for _ in range(3):\n"
+    "    client.quorum(replica_id='only', timeout=timedelta(seconds=10))\n"
+    "print('QUORUMS DONE', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_the_launcher_prints_no_per_quorum_lines_unless_verbose(verbose):
+    """Three quorums through the embedded lighthouse: by default none of torchft's per-quorum INFO lines reach the
+    terminal; ``--verbose`` shows them (so the default's silence is not an accident of where they are printed)."""
+    env = {key: value for key, value in clean_env().items() if key != "RUST_LOG"}
+    flags = ["--verbose"] if verbose else []
+    result = subprocess.run(
+        lightning_ft("launch", "--replica-groups=1", *flags, "--", "python", "-c", QUORUM_CLIENT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "[group 0] QUORUMS DONE" in output
+    assert ("Quorum!" in output) == verbose, output[-3000:]
