@@ -3,7 +3,13 @@
 Importing this package registers ``"ft"`` in Lightning's strategy registry, so ``Trainer(strategy="ft")`` works.
 """
 
+import os
 import sys
+
+# torchft's Rust side (a group's Manager server, an embedded lighthouse) logs about six INFO lines per step: 132 of the
+# 160 lines of a 20-step run of one group. Its logger reads RUST_LOG once, when torchft's extension loads, which the
+# imports below do; a RUST_LOG the user set wins (RUST_LOG=info shows them, as `lightning-ft launch --verbose` does).
+os.environ.setdefault("RUST_LOG", "warn")
 
 from lightning.pytorch.strategies import StrategyRegistry
 

@@ -121,6 +121,26 @@ def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) ->
     return store, str(host), int(port)
 
 
+class _FlightRecorderWarningWithoutNCCL(logging.Filter):
+    """Drops torchft's "Unable to reset NCCL flight recorder" warning, which it logs at every reconfiguration of the
+    process group on a torch build without NCCL's flight recorder (every CPU build), where there is nothing to reset."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+_FLIGHT_RECORDER_FILTER = _FlightRecorderWarningWithoutNCCL()
+
+
+def quiet_torchft_logs() -> None:
+    """Without NCCL's flight recorder, drop torchft's warning that it cannot reset it (its Rust side's per-step INFO
+    lines are off already: ``RUST_LOG``, set where ``lightning_ft`` is first imported)."""
+    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):
+        torchft_manager_log = logging.getLogger("torchft.manager")
+        if _FLIGHT_RECORDER_FILTER not in torchft_manager_log.filters:
+            torchft_manager_log.addFilter(_FLIGHT_RECORDER_FILTER)
+
+
 def build_manager(
     settings: FTSettings, group_rank: int, group_world_size: int, device: torch.device, num_nodes: int = 1
 ) -> ManagerHandle:
@@ -130,6 +150,7 @@ def build_manager(
     optimizers exist. ``num_nodes`` is the group's node count: a one-node group with the embedded lighthouse keeps
     every listener on loopback.
     """
+    quiet_torchft_logs()
     hostname = settings.advertised_hostname(num_nodes)
     if is_loopback(hostname):  # `localhost` may resolve to ::1 on some machines and 127.0.0.1 on others
         hostname = numeric_host(hostname)
