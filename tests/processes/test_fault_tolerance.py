@@ -238,14 +238,20 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
         "the three groups to commit 3 steps together",
         lambda: sum(e["participants"] == 3 for e in job.events("step", group=2, pid=victim, committed=True)) >= 3,
     )
-    sends = [job.root / f"pause.group{group}.heal_send" for group in (0, 1)]
-    for gate in sends:
-        gate.touch()
+    # The restarted group 2 waits for ``go`` until both survivors are held; only then are their sends gated. A kill
+    # inside a step's allreduce can fail the step in one survivor and not the other, which then heals from its peer:
+    # a heal that a gate set before the kill would stop halfway.
+    go = job.root / "go"
+    go.unlink()
     holds = [job.hold_from_step(group, max(job.committed_steps(2, 0, victim)) + 15) for group in (0, 1)]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     for group in (0, 1):
         job.wait_held_alone(group, since=killed_at, participants=2)
+    sends = [job.root / f"pause.group{group}.heal_send" for group in (0, 1)]
+    for gate in sends:
+        gate.touch()
+    go.touch()
     healer = job.wait_for("torchrun to restart group 2", lambda: job.worker_pid(2, 0, attempt + 1))
     job.wait_for("group 2 to ask for its first quorum", lambda: job.events("joining", pid=healer))
     for hold in holds:
