@@ -121,24 +121,18 @@ def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) ->
     return store, str(host), int(port)
 
 
-class _FlightRecorderWarningWithoutNCCL(logging.Filter):
-    """Drops torchft's "Unable to reset NCCL flight recorder" warning, which it logs at every reconfiguration of the
-    process group on a torch build without NCCL's flight recorder (every CPU build), where there is nothing to reset."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-_FLIGHT_RECORDER_FILTER = _FlightRecorderWarningWithoutNCCL()
+def _not_the_flight_recorder_warning(record: logging.LogRecord) -> bool:
+    """torchft logs "Unable to reset NCCL flight recorder" at every reconfiguration of the process group on a torch
+    build without NCCL's flight recorder (every CPU build), where there is nothing to reset."""
+    return "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
 def quiet_torchft_logs() -> None:
     """Without NCCL's flight recorder, drop torchft's warning that it cannot reset it (its Rust side's per-step INFO
-    lines are off already: ``RUST_LOG``, set where ``lightning_ft`` is first imported)."""
+    lines are off already: ``RUST_LOG``, set where ``lightning_ft`` is first imported). ``addFilter`` adds a filter
+    once however often this runs."""
     if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):
-        torchft_manager_log = logging.getLogger("torchft.manager")
-        if _FLIGHT_RECORDER_FILTER not in torchft_manager_log.filters:
-            torchft_manager_log.addFilter(_FLIGHT_RECORDER_FILTER)
+        logging.getLogger("torchft.manager").addFilter(_not_the_flight_recorder_warning)
 
 
 def build_manager(

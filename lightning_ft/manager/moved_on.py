@@ -61,9 +61,9 @@ class MovedOnSignal:
     """One process's view of its current quorum's marker; :meth:`enter` at each reconfiguration of its process group.
 
     Args:
-        connect: Opens a store client for a ``host:port/prefix`` address (replaceable in tests).
         store_gone: Whether the store at an address refuses connections
             (:func:`lightning_ft.manager.quorum_store.store_refuses_connections`).
+        connect: Opens a store client for a ``host:port/prefix`` address (replaceable in tests).
     """
 
     def __init__(

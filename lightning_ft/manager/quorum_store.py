@@ -25,6 +25,7 @@ a group that had finished.
 from __future__ import annotations
 
 import socket
+from functools import cached_property
 from typing import Any
 
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
@@ -80,12 +81,9 @@ class FailFastOnGoneStore:
     the quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`): the previous quorum is marked as left, and
     :attr:`moved_on_signal` reads the new one's."""
 
-    @property
+    @cached_property  # torchft's process groups take their own constructor arguments: made on first use
     def moved_on_signal(self) -> MovedOnSignal:
-        signal = self.__dict__.get("_lightning_ft_moved_on")
-        if signal is None:
-            signal = self.__dict__["_lightning_ft_moved_on"] = MovedOnSignal(store_refuses_connections)
-        return signal
+        return MovedOnSignal(store_refuses_connections)
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         fail_if_store_gone(store_addr)
