@@ -483,8 +483,6 @@ class FTStrategy(ShardedGroupHooks):
         self._sigterm_deadline.uninstall()
         self._patches.undo()
         self._collectives = None
-        if self._comm_state is not None and self._comm_state.left_behind is not None:
-            self._comm_state.left_behind.shutdown()
         self._comm_state = None
         self._exactly_once = ExactlyOnceTraining()
         if self._handle is not None:

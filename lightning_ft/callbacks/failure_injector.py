@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_settings
-from lightning_ft.manager.internals import cross_group_process_group, process_group_timeout
+from lightning_ft.manager.internals import cross_group_process_group, intercept_backend_works, process_group_timeout
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 from lightning_ft_job.environment import ENV_REPLICA_GROUP_ID
@@ -169,19 +169,31 @@ class FailureInjector(Callback):
     def _wrap_allreduce(self, trainer: pl.Trainer) -> None:
         """Fire inside the cross-group process group's allreduce (torchft's reconfigurable process group, which
         outlives its reconfigurations): every cross-group allreduce passes there, the DDP comm hook's and
-        ``Manager.allreduce``'s alike."""
+        ``Manager.allreduce``'s alike. A ``stuck`` allreduce's completion is withheld below lightning-ft's
+        left-behind watch (:func:`intercept_backend_works`), as a Gloo send that never completes would be."""
         process_group = cross_group_process_group(ft_manager(trainer))
         allreduce = process_group.allreduce
+        withhold = threading.local()
 
         def allreduce_with_failures(*args: Any, **kwargs: Any) -> Any:
             stuck = False
             for failure in self._due(trainer, "allreduce"):
                 self._fire(failure, trainer, trainer.lightning_module)
                 stuck = stuck or failure.kind == "stuck"
-            work = allreduce(*args, **kwargs)
-            return _CompletionNeverArrives(work, process_group_timeout(process_group)) if stuck else work
+            withhold.next_work = stuck
+            try:
+                return allreduce(*args, **kwargs)
+            finally:
+                withhold.next_work = False
+
+        def withhold_if_stuck(work: dist.Work) -> dist.Work:
+            if getattr(withhold, "next_work", False):
+                withhold.next_work = False
+                return _CompletionNeverArrives(work, process_group_timeout(process_group))
+            return work
 
         process_group.allreduce = allreduce_with_failures
+        intercept_backend_works(process_group, withhold_if_stuck)
 
     def _fire(self, failure: Failure, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events.emit("failure_injected", kind=failure.kind, at=failure.at, global_step=trainer.global_step)

@@ -7,9 +7,11 @@ upgrade is a diff here. The modules:
   and its RPC client, composed once (:func:`~.builder.composed_client`).
 * :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
-* :mod:`.listeners`, :mod:`.quorum_store`, :mod:`.moved_on`: where the Manager's listeners bind, the dead-store
-  probe of the process group's reconfiguration, and the marker a group leaves in its old quorum's store when it moves
-  on (what a group left behind in a collective reads).
+* :mod:`.listeners`, :mod:`.quorum_store`: where the Manager's listeners bind, and lightning-ft's cross-group
+  process group classes: the dead-store probe and the members' arrival (:mod:`.arrival`) before each
+  reconfiguration, and the watch over every operation (:mod:`.left_behind`), which gives up a collective that the
+  other members have left, as read from the marker a group leaves in its old quorum's store when it moves on
+  (:mod:`.moved_on`).
 * :mod:`.http_transport`, :mod:`.telemetry`: the heal transport (safe loading), and the figures of quorum waits and
   heals.
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
@@ -37,6 +39,8 @@ Internal                                   Why                                  
                                            group's vote without an RPC                  constructor
 ``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper
                                            abort; the failure injector's stuck faults
+``ProcessGroupWrapper._wrap_work``,        watch every operation, and give up one the   a cancellable work, or Gloo
+``._quorum_id``                            other members have left (:mod:`.left_behind`) aborting a pending send
 ``ProcessGroupGloo._create_pg``,           bind Gloo to the advertised address; fail    a bind address option;
 ``configure``                              a reconfiguration through a dead store at    the nightly's
                                            once (:mod:`.listeners`, :mod:`.quorum_store`) ``reconfigure(...)`` (same

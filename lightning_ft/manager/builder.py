@@ -46,7 +46,7 @@ from torchft.process_group import ProcessGroup
 
 from lightning_ft.manager.ft_manager import FTManager
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport
-from lightning_ft.manager.internals import install_client, manager_client
+from lightning_ft.manager.internals import install_client, left_behind_watch, manager_client
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
@@ -72,6 +72,9 @@ class ManagerHandle:
     outage_client: OutageTolerantClient | None = None
 
     def shutdown(self) -> None:
+        watch = left_behind_watch(self.manager)
+        if watch is not None:
+            watch.shutdown()
         self.manager.shutdown(wait=False)
         if self.outage_client is not None:
             self.outage_client.shutdown()
@@ -188,6 +191,9 @@ def build_manager(
         )
     client, outage_client = composed_client(manager_client(manager), settings, group_world_size)
     install_client(manager, client)
+    watch = left_behind_watch(manager)
+    if watch is not None:  # the process group exists before the Manager: its events name the Manager's step
+        watch.current_step = manager.current_step
     return ManagerHandle(
         manager=manager, store=store, lighthouse=lighthouse, transport=transport, outage_client=outage_client
     )

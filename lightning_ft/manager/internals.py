@@ -6,12 +6,16 @@ They take any Manager (or a test's stand-in with the same attributes):
 * :func:`cross_group_process_group`: the Manager's reconfigurable process group (``Manager._pg``), which carries the
   DDP and FSDP2 comm hooks' allreduces, the failure injector's faults and the aborts below. Upstream hook that would
   remove it: a public accessor for the process group the Manager was built with.
-* :func:`abort_cross_group_process_group` and :func:`set_aside_process_group`: end the current Gloo group after a
-  failed step, at once or without waiting for a pending operation (``ProcessGroupWrapper._pg``, ``._timeout``).
-  torchft's nightly reconfigures the group with ``reconfigure(...)`` instead of ``configure``; both functions only
-  need "drop the current inner group", which a ``reset()`` upstream would give.
+* :func:`abort_cross_group_process_group` and :func:`set_aside_if_left_behind`: end the current Gloo group after a
+  failed step, at once or (when one of its operations was given up) without waiting for it. The second is
+  lightning-ft's own process group class (:mod:`lightning_ft.manager.quorum_store`), which reaches into
+  ``ProcessGroupWrapper._pg`` and ``._timeout``. torchft's nightly reconfigures the group with ``reconfigure(...)``
+  instead of ``configure``; both only need "drop the current inner group", which a ``reset()`` upstream would give.
 * :func:`process_group_timeout`: the wrapper's collective timeout (``ProcessGroupWrapper._timeout``).
-* :func:`moved_on_signal`: the moved-on marker kept by lightning-ft's process group classes (through ``Manager._pg``).
+* :func:`intercept_backend_works`: a function between the backend's operations and the wrapper's handling of them
+  (``ProcessGroupWrapper._wrap_work``), for the failure injector's stuck collectives.
+* :func:`left_behind_watch`: the watch over pending collectives kept by lightning-ft's process group classes
+  (through ``Manager._pg``).
 * :func:`install_client`: replaces the Manager's RPC client (``Manager._client``) once, with the composed wrapper of
   :mod:`lightning_ft.manager.builder`. Upstream hook: client injection in the Manager's constructor.
 
@@ -20,15 +24,14 @@ The quorum id and the quorum observers are :class:`~lightning_ft.manager.ft_mana
 
 from __future__ import annotations
 
-import threading
-import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from torchft import Manager, ProcessGroupGloo
 from torchft.process_group import ProcessGroup
 
-from lightning_ft.manager.moved_on import MovedOnSignal
+from lightning_ft.manager.left_behind import LeftBehindWatch
 
 
 def cross_group_process_group(manager: Manager) -> ProcessGroup:
@@ -41,17 +44,21 @@ def crosses_groups_over_gloo(manager: Manager) -> bool:
     return isinstance(manager._pg, ProcessGroupGloo)
 
 
-def moved_on_signal(manager: Manager) -> MovedOnSignal | None:
-    """The moved-on marker of the cross-group process group's current quorum (:mod:`lightning_ft.manager.moved_on`),
-    or None for a process group that lightning-ft did not build."""
-    signal = getattr(getattr(manager, "_pg", None), "moved_on_signal", None)
-    return signal if isinstance(signal, MovedOnSignal) else None
-
-
 def process_group_timeout(process_group: Any, default: timedelta = timedelta(seconds=60)) -> timedelta:
     """The timeout of torchft's reconfigurable process group: how long its collectives may take."""
     timeout = getattr(process_group, "_timeout", None)
     return timeout if isinstance(timeout, timedelta) else default
+
+
+def intercept_backend_works(process_group: Any, intercept: Callable[[Any], Any]) -> None:
+    """Pass each backend operation's ``Work`` through ``intercept`` before the reconfigurable process group handles
+    it (lightning-ft's watch over pending operations included)."""
+    wrap_work = process_group._wrap_work
+
+    def intercepted(work: Any, opts: object) -> Any:
+        return wrap_work(intercept(work), opts)
+
+    process_group._wrap_work = intercepted
 
 
 def abort_cross_group_process_group(manager: Manager) -> bool:
@@ -64,28 +71,21 @@ def abort_cross_group_process_group(manager: Manager) -> bool:
     return True
 
 
-def set_aside_process_group(manager: Manager) -> bool:
-    """Detach torchft's reconfigurable process group from its current Gloo group without aborting it.
-
-    The next quorum then builds a new one (``ProcessGroupWrapper.configure`` aborts only a group it still holds).
-    The old group still has an operation pending; a daemon thread holds it until that operation ends by its own
-    timeout, so that its destructor (which joins Gloo's threads) runs there, or never if the process exits first.
-    Returns whether there was a group to set aside.
-    """
-    wrapper = getattr(manager, "_pg", None)
-    old = getattr(wrapper, "_pg", None)
-    if old is None:
-        return False
-    wrapper._pg = None  # type: ignore[union-attr]
-    seconds = process_group_timeout(wrapper).total_seconds()
-    threading.Thread(target=_hold, args=(old, seconds), name="lightning_ft_set_aside_pg", daemon=True).start()
-    return True
+def left_behind_watch(manager: Manager) -> LeftBehindWatch | None:
+    """The watch over the cross-group process group's pending operations (:mod:`lightning_ft.manager.left_behind`),
+    or None for a process group that does not watch them (NCCL, or one lightning-ft did not build)."""
+    process_group = getattr(manager, "_pg", None)
+    if not getattr(process_group, "watches_collectives", False):
+        return None
+    watch = getattr(process_group, "left_behind_watch", None)
+    return watch if isinstance(watch, LeftBehindWatch) else None
 
 
-def _hold(process_group: Any, seconds: float) -> None:
-    """Keep ``process_group`` alive for its pending operation's timeout plus a margin, then let it go."""
-    time.sleep(seconds + 5.0)
-    del process_group
+def set_aside_if_left_behind(manager: Manager) -> bool:
+    """Set the cross-group Gloo group aside, unaborted, if one of its operations was given up; returns whether it
+    did (:meth:`lightning_ft.manager.quorum_store.FailFastOnGoneStore.set_aside_if_left_behind`)."""
+    set_aside = getattr(getattr(manager, "_pg", None), "set_aside_if_left_behind", None)
+    return bool(set_aside()) if set_aside is not None else False
 
 
 def manager_client(manager: Manager) -> Any:

@@ -50,11 +50,13 @@ class MovedOn:
     primary member."""
 
     newer_quorum_id: int | None
+    by_this_group: bool = False  # this group reconfigures for a newer quorum itself
 
     def describe(self) -> str:
         if self.newer_quorum_id is None:
             return "the quorum's store is gone with the group that hosted it"
-        return f"another replica group moved on to quorum {self.newer_quorum_id}"
+        who = "this replica group" if self.by_this_group else "another replica group"
+        return f"{who} moved on to quorum {self.newer_quorum_id}"
 
 
 class MovedOnSignal:
@@ -94,6 +96,12 @@ class MovedOnSignal:
             return
         with self._lock:
             self._store, self._store_addr = store, store_addr
+
+    @property
+    def store(self) -> Store | None:
+        """The client of the current quorum's store (prefixed with the process group's own prefix), if any."""
+        with self._lock:
+            return self._store
 
     def moved_on(self) -> MovedOn | None:
         """Whether another member has left the current quorum (or its store is gone); ``None`` while none has.

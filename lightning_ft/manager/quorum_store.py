@@ -15,22 +15,29 @@ torchft's ``configure`` and raises :class:`QuorumStoreGoneError` at once; torchf
 not commit, and the next quorum, without the dead group, rebuilds the process group. Any other outcome of the probe
 (accepted, timed out, unreachable) leaves the connection to torchft as before.
 
-Not covered: a dead member that is *not* the primary. The store is then alive, and Gloo's rendezvous waits for the
-dead member's address until the timeout. The rendezvous cannot be given up from a helper thread (as
-:mod:`lightning_ft.step.left_behind` gives up an allreduce): a thread still inside the rendezvous when the process
-exits returns into Python during interpreter shutdown and aborts the process (SIGABRT), and torchrun would then restart
-a group that had finished.
+A dead member that is *not* the primary leaves the store alive, and Gloo's rendezvous would wait for the dead
+member's address until the timeout, inside native code where no thread can give it up. Every member therefore first
+waits for the others in Python (:mod:`lightning_ft.manager.arrival`), where a missing member gives the quorum up
+within a second. The same classes wrap every operation of the Gloo process group in a watch that gives up a
+collective the other members have left (:mod:`lightning_ft.manager.left_behind`), and set aside, instead of
+aborting, a process group that holds one.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from functools import cached_property
 from typing import Any
 
+import torch.distributed as dist
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
-from lightning_ft.manager.moved_on import MovedOnSignal
+from lightning_ft.manager.arrival import wait_for_every_member
+from lightning_ft.manager.left_behind import LeftBehindWatch
+from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal
+from lightning_ft_job import events
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -77,24 +84,78 @@ if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 
 
 
 class FailFastOnGoneStore:
-    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``, and
-    the quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`): the previous quorum is marked as left, and
-    :attr:`moved_on_signal` reads the new one's."""
+    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``, the
+    quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`: the previous quorum is marked as left, and
+    :attr:`moved_on_signal` reads the new one's), and every member's arrival before the rendezvous
+    (:mod:`lightning_ft.manager.arrival`).
+
+    With ``watches_collectives`` (Gloo), every operation is handed out through :attr:`left_behind_watch`, and a
+    process group holding an operation that was given up is set aside instead of aborted."""
+
+    watches_collectives = False
 
     @cached_property  # torchft's process groups take their own constructor arguments: made on first use
     def moved_on_signal(self) -> MovedOnSignal:
         return MovedOnSignal(store_refuses_connections)
 
+    @cached_property
+    def left_behind_watch(self) -> LeftBehindWatch:
+        return LeftBehindWatch(self.moved_on_signal.moved_on, quorum_id=lambda: getattr(self, "_quorum_id", None))
+
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         fail_if_store_gone(store_addr)
         quorum_id = kwargs.get("quorum_id", args[3] if len(args) > 3 else None)
+        rank = kwargs.get("rank", args[1] if len(args) > 1 else None)
+        world_size = kwargs.get("world_size", args[2] if len(args) > 2 else None)
+        if self.watches_collectives:  # this group moves on itself: what is pending of the old quorum cannot complete
+            self.left_behind_watch.give_up(MovedOn(quorum_id, by_this_group=True))
         self.moved_on_signal.enter(store_addr, quorum_id)
+        store = self.moved_on_signal.store
+        if store is not None and rank is not None and world_size is not None:
+            wait_for_every_member(store, rank, world_size, quorum_id)
         super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+    def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
+        work = super()._wrap_work(work, opts)  # type: ignore[misc]
+        return self.left_behind_watch.track(work) if self.watches_collectives else work
+
+    def abort(self, errored: bool = True) -> None:
+        """torchft's abort, unless an operation of the current group was given up: Gloo's abort would wait for that
+        operation to end by its own timeout, so the group is set aside instead (:meth:`set_aside_if_left_behind`)."""
+        if self.set_aside_if_left_behind():
+            return
+        super().abort(errored)  # type: ignore[misc]
+
+    def set_aside_if_left_behind(self) -> bool:
+        """If an operation of the current Gloo group was given up, detach the group without aborting it; the next
+        quorum builds a new one. A daemon thread holds the old group until its pending operation ends by its own
+        timeout, so that its destructor (which joins Gloo's threads) runs there, or never if the process exits
+        first. Returns whether it set a group aside."""
+        if not (self.watches_collectives and self.left_behind_watch.take_left_behind()):
+            return False
+        old = getattr(self, "_pg", None)
+        if old is None:
+            return False
+        self._pg = None
+        seconds = self._timeout.total_seconds()  # type: ignore[attr-defined]
+        threading.Thread(target=_hold, args=(old, seconds), name="lightning_ft_set_aside_pg", daemon=True).start()
+        events.emit("process_group_set_aside", step=self.left_behind_watch.current_step())
+        return True
+
+
+def _hold(process_group: Any, seconds: float) -> None:
+    """Keep ``process_group`` alive for its pending operation's timeout plus a margin, then let it go."""
+    time.sleep(seconds + 5.0)
+    del process_group
 
 
 class StoreCheckedProcessGroupGloo(FailFastOnGoneStore, ProcessGroupGloo):
-    """torchft's ``ProcessGroupGloo`` that fails a reconfiguration through a dead primary's store at once."""
+    """torchft's ``ProcessGroupGloo`` that fails a reconfiguration through a dead primary's store at once, and gives
+    up a collective the other members have left behind."""
+
+    watches_collectives = True
 
 
 class StoreCheckedProcessGroupNCCL(FailFastOnGoneStore, ProcessGroupNCCL):
-    """torchft's ``ProcessGroupNCCL`` that fails a reconfiguration through a dead primary's store at once."""
+    """torchft's ``ProcessGroupNCCL`` that fails a reconfiguration through a dead primary's store at once (its hung
+    collectives are aborted by torchft's own timer)."""

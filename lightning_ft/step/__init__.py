@@ -5,7 +5,6 @@
   plugin steps, which steps only when the group's vote commits.
 * :mod:`.gradient_hooks`: the DDP comm hook and the FSDP2 all-reduce hook that average gradients across groups.
 * :mod:`.collectives`: job-wide reductions (metrics, ``reduce_boolean_decision``) in sync sections.
-* :mod:`.left_behind`: gives up a cross-group allreduce that the other groups have left behind.
 
 The strategy, the callbacks and the semi-synchronous syncs call the protocol; nothing else opens a step's quorum (a sync
 section outside training steps opens its own, which never heals: :mod:`.collectives`).

@@ -38,8 +38,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo, moved_on_signal
-from lightning_ft.step.left_behind import LeftBehindWatch
+from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.step.protocol import StepProtocol
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -56,9 +55,6 @@ class FTCommState:
     # Whether a hung cross-group collective needs the Manager's timer to fail it (``Manager.wrap_future``); not with
     # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
     needs_manager_timeout: bool = True
-    # Gives up an allreduce that the other groups have left behind (a Gloo send that never completes after a peer
-    # died); ``None`` leaves every allreduce to the process group's timeout. See :mod:`lightning_ft.step.left_behind`.
-    left_behind: LeftBehindWatch | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -122,7 +118,7 @@ def cross_group_average(
     the Manager (``report_error``), which then votes against the step. A hung collective fails through the
     process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
     Manager's timer on top (``state.needs_manager_timeout``). An allreduce that the other groups have left behind
-    is given up earlier, when ``state.left_behind`` watches (:mod:`lightning_ft.step.left_behind`).
+    fails earlier, through lightning-ft's Gloo process group (:mod:`lightning_ft.manager.left_behind`).
     """
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
@@ -145,8 +141,6 @@ def cross_group_average(
         state.average_in_place(buffer, divisor)
         return buffer
 
-    if state.left_behind is not None:
-        return state.left_behind.track(work.get_future(), buffer, average)
     averaged = work.get_future().then(average)
     if state.needs_manager_timeout:
         return manager.wrap_future(averaged, default=buffer)
@@ -194,21 +188,17 @@ def install_ddp_cross_group_hook(
 ) -> FTCommState:
     """Register :func:`ft_allreduce_hook` on the group's DDP wrapper; returns its state.
 
-    Over Gloo, a watch gives up allreduces that another member of the quorum has left behind
-    (:mod:`lightning_ft.step.left_behind`, through the process group's moved-on marker). Other process groups get the
-    Manager's timer on top of their own timeout.
+    Gloo's own timeout bounds a hung allreduce (and lightning-ft's Gloo process group gives up one that the other
+    members have left behind: :mod:`lightning_ft.manager.left_behind`); other process groups get the Manager's timer
+    on top of their own timeout.
     """
     gloo = crosses_groups_over_gloo(manager)
-    signal = moved_on_signal(manager)
-    left_behind = LeftBehindWatch(manager, signal.moved_on) if gloo and signal is not None else None
-    protocol.left_behind = left_behind
     state = FTCommState(
         manager=manager,
         group=None,
         group_world_size=group_size,
         before_allreduce=protocol.require_quorum,
         needs_manager_timeout=not gloo,
-        left_behind=left_behind,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     return state

@@ -25,10 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
-from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_process_group
+from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.start.decision import JobBehindCheckpointError
-from lightning_ft.step.left_behind import LeftBehindWatch
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -56,8 +55,6 @@ class StepProtocol:
         self.quorums_opened = 0
         self.sync_in_flight = False
         self.non_finite_skips = 0
-        # Set by the strategy when its DDP hook's allreduces can be given up (lightning_ft.step.left_behind).
-        self.left_behind: LeftBehindWatch | None = None
         # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
         self.floor_step: int | None = None
@@ -155,16 +152,13 @@ class StepProtocol:
         Safe because the process group is rebuilt before it is used again: a step that does not commit makes the
         lighthouse hand out a new quorum id, and a new quorum id reconfigures the process group (until then torchft's
         ``allreduce`` is a no-op, the step having errored). A step rejected for a non-finite gradient leaves the
-        process group alone: every collective of it succeeded. A process group with an allreduce that was given up
-        (:mod:`lightning_ft.step.left_behind`) is set aside instead: Gloo's abort would block until that allreduce ends.
+        process group alone: every collective of it succeeded. A process group with an operation that was given up
+        (:mod:`lightning_ft.manager.left_behind`) is set aside instead: Gloo's abort would block until it ends.
         """
         error = self.manager.errored()
         if error is None or isinstance(error.original_exception, NonFiniteGradientError):
             return
-        if self.left_behind is not None and self.left_behind.take_left_behind():
-            # An allreduce of this group is still pending in Gloo, which aborting would wait for.
-            if set_aside_process_group(self.manager):
-                events.emit("process_group_set_aside", step=self.manager.current_step())
+        if set_aside_if_left_behind(self.manager):  # an operation is still pending in Gloo, which aborting waits for
             return
         try:
             aborted = abort_cross_group_process_group(self.manager)

@@ -1,8 +1,10 @@
-"""lightning_ft.step.left_behind: an allreduce the other groups have left behind is given up, not waited out.
+"""lightning_ft.manager.left_behind and .arrival: a collective the other groups have left behind is given up, and a
+quorum member that never arrives gives the quorum up, instead of either being waited out.
 
-Unit tests drive :class:`LeftBehindWatch` with a fake Manager, a fake moved-on signal and a fake clock, and real
-torch futures; others run :class:`MovedOnSignal` against a real TCPStore, as members of one quorum do. The
-multi-process test (a group stuck in a real job's allreduce, given up and healed) is in
+Unit tests drive :class:`LeftBehindWatch` with a fake moved-on signal, a fake clock and works with real torch
+futures; others run :class:`MovedOnSignal` and the arrival barrier against a real TCPStore, as members of one quorum
+do, and a real two-process torchft Gloo process group. The multi-process tests (a group stuck in a real job's
+collective on each training path, a quorum member dead before its rendezvous) are in
 tests/processes/test_failure_injection.py.
 """
 
@@ -10,18 +12,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed import TCPStore
-from workers.pending_gloo_worker import FakeManager
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
 
-from lightning_ft.manager.internals import set_aside_process_group
+from lightning_ft.manager.arrival import QuorumMemberMissingError, wait_for_every_member
+from lightning_ft.manager.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal, MovedOnUnknown
-from lightning_ft.manager.quorum_store import store_refuses_connections
-from lightning_ft.step.left_behind import CollectiveLeftBehindError, LeftBehindWatch
+from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, store_refuses_connections
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,98 +53,113 @@ class Signal:
         return self.value
 
 
-def make_watch(signal: Signal, manager: FakeManager | None = None) -> tuple[LeftBehindWatch, Clock]:
+class BackendWork(dist.Work):
+    """A backend operation: its future completes when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.future
+
+
+def make_watch(signal: Signal, quorum_id: int = 3) -> tuple[LeftBehindWatch, Clock]:
     clock = Clock()
-    watch = LeftBehindWatch(manager or FakeManager(), signal, clock=clock)
+    watch = LeftBehindWatch(signal, quorum_id=lambda: quorum_id, clock=clock)
+    watch.current_step = lambda: 7
     return watch, clock
 
 
-def doubled(done: torch.futures.Future[Any]) -> torch.Tensor:
-    return done.value()[0] * 2
-
-
-def test_an_allreduce_that_completes_reaches_ddp_through_the_callback_and_the_marker_is_never_read():
+def test_an_operation_that_completes_hands_its_result_on_and_the_marker_is_never_read():
     signal = Signal(MovedOn(9))
     watch, clock = make_watch(signal)
-    done: torch.futures.Future[Any] = torch.futures.Future()
-    result = watch.track(done, torch.ones(2), doubled)
+    backend = BackendWork()
+    work = watch.track(backend)
     clock.now += 0.5
     watch.check()  # younger than check_after: nothing to ask
-    done.set_result([torch.full((2,), 3.0)])
+    backend.future.set_result([torch.full((2,), 3.0)])
     clock.now += 5
     watch.check()  # nothing pending any more
     watch.shutdown()
-    assert torch.equal(result.wait(), torch.full((2,), 6.0))
+    assert work.wait() and work.is_completed()
+    assert torch.equal(work.get_future().value()[0], torch.full((2,), 3.0))
     assert signal.reads == 0 and not watch.take_left_behind()
 
 
-def test_a_pending_allreduce_is_kept_while_no_member_has_moved_on():
+def test_an_operation_that_fails_by_itself_hands_its_own_error_on():
+    watch, _ = make_watch(Signal(None))
+    backend = BackendWork()
+    work = watch.track(backend)
+    backend.future.set_exception(RuntimeError("Connection reset by peer"))
+    watch.shutdown()
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        work.wait()
+    assert not watch.take_left_behind()
+
+
+def test_a_pending_operation_is_kept_while_no_member_has_moved_on():
     signal = Signal(None)
-    manager = FakeManager(quorum_id=3)
-    watch, clock = make_watch(signal, manager)
-    result = watch.track(torch.futures.Future(), torch.ones(2), doubled)
+    watch, clock = make_watch(signal)
+    work = watch.track(BackendWork())
     clock.now += 1.5
     watch.check()
     watch.shutdown()
-    assert signal.reads == 1 and not result.done() and manager.reported == []
+    assert signal.reads == 1 and not work.is_completed()
 
 
-def test_an_allreduce_left_behind_is_given_up_with_the_error_reported_first_and_its_late_end_ignored():
-    signal = Signal(MovedOn(4))
-    manager = FakeManager(quorum_id=3)
-    watch, clock = make_watch(signal, manager)
-    buffer = torch.full((3,), 5.0)
-    done: torch.futures.Future[Any] = torch.futures.Future()
-    seen_at_completion: list[int] = []
-    result = watch.track(done, buffer, doubled)
-    result.add_done_callback(lambda _: seen_at_completion.append(len(manager.reported)))
+def test_an_operation_left_behind_fails_with_the_reason_and_its_late_end_is_ignored():
+    """What torchft's Manager and the DDP hook wait on fails at once; they report it as the step's error."""
+    watch, clock = make_watch(Signal(MovedOn(4)), quorum_id=3)
+    backend = BackendWork()
+    work = watch.track(backend)
+    chained = work.get_future().then(lambda done: done.value())  # as the DDP hook's average is chained
     clock.now += 1.0
     watch.check()
     watch.shutdown()
-    assert result.done() and result.wait() is buffer and torch.equal(buffer, torch.full((3,), 5.0))
-    assert seen_at_completion == [1], "the step's error must be known before DDP goes on to the vote"
-    [error] = manager.reported
-    assert isinstance(error, CollectiveLeftBehindError)
-    assert "quorum 4" in str(error) and "quorum 3" in str(error) and "heals" in str(error)
+    with pytest.raises(CollectiveLeftBehindError) as raised:
+        work.wait()
+    assert "quorum 4" in str(raised.value) and "quorum 3" in str(raised.value) and "heals" in str(raised.value)
+    with pytest.raises(RuntimeError, match="CollectiveLeftBehindError"):  # torch wraps a callback's error
+        chained.wait()
     assert watch.take_left_behind() and not watch.take_left_behind()
-    done.set_exception(RuntimeError("Gloo timed out, 60 s later"))  # the given-up allreduce ends by itself
-    assert len(manager.reported) == 1 and torch.equal(buffer, torch.full((3,), 5.0))
+    backend.future.set_result([torch.ones(1)])  # the given-up operation ends by itself, 60 s later: nothing happens
+    with pytest.raises(CollectiveLeftBehindError):
+        work.get_future().wait()
 
 
-def test_an_unreadable_marker_leaves_the_allreduce_to_the_collective_timeout(caplog):
+def test_an_unreadable_marker_leaves_the_operation_to_the_collective_timeout(caplog):
     signal = Signal(unreadable=True)
-    manager = FakeManager()
-    watch, clock = make_watch(signal, manager)
-    result = watch.track(torch.futures.Future(), torch.ones(1), doubled)
+    watch, clock = make_watch(signal)
+    work = watch.track(BackendWork())
     for _ in range(3):
         clock.now += 1.0
         watch.check()
     watch.shutdown()
-    assert signal.reads == 3 and not result.done() and manager.reported == []
+    assert signal.reads == 3 and not work.is_completed()
     warnings = [r for r in caplog.records if "cannot tell" in r.getMessage()]
     assert len(warnings) == 1 and "FTStrategy(timeout=...)" in warnings[0].getMessage()
 
 
-def test_a_store_gone_with_its_primary_gives_the_allreduce_up_too():
-    manager = FakeManager(quorum_id=3)
-    watch, clock = make_watch(Signal(MovedOn(None)), manager)
-    result = watch.track(torch.futures.Future(), torch.ones(1), doubled)
+def test_a_store_gone_with_its_primary_gives_the_operation_up_too():
+    watch, clock = make_watch(Signal(MovedOn(None)))
+    work = watch.track(BackendWork())
     clock.now += 1.5
     watch.check()
     watch.shutdown()
-    assert result.done() and "store is gone" in str(manager.reported[0])
+    with pytest.raises(CollectiveLeftBehindError, match="store is gone"):
+        work.wait()
 
 
 def test_the_watchdog_thread_gives_up_on_its_own():
-    """The real thread, real clock: an allreduce pending past check_after after a member moved on is given up."""
-    manager = FakeManager(quorum_id=0)
-    watch = LeftBehindWatch(manager, Signal(MovedOn(1)), check_after=0.05, interval=0.05)
-    result = watch.track(torch.futures.Future(), torch.ones(1), doubled)
+    """The real thread, real clock: an operation pending past check_after after a member moved on is given up."""
+    watch = LeftBehindWatch(Signal(MovedOn(1)), quorum_id=lambda: 0, check_after=0.05, interval=0.05)
+    work = watch.track(BackendWork())
     try:
-        result.wait()  # returns once the watchdog completes it; the test's timeout bounds it
+        with pytest.raises(CollectiveLeftBehindError):
+            work.wait()  # returns once the watchdog fails it; the test's timeout bounds it
     finally:
         watch.shutdown()
-    assert isinstance(manager.reported[0], CollectiveLeftBehindError)
 
 
 def quorum_address(store: TCPStore, quorum_id: int, group_rank: int = 0) -> str:
@@ -190,34 +209,70 @@ def test_without_a_store_client_the_marker_is_unknown():
         MovedOnSignal(store_refuses_connections).moved_on()
 
 
-class Wrapper:
-    """torchft's reconfigurable process group: the Gloo group it holds, and its timeout."""
-
-    def __init__(self) -> None:
-        from datetime import timedelta
-
-        self._pg: object | None = object()
-        self._timeout = timedelta(seconds=1)
-
-
-class HoldsWrapper:
-    def __init__(self) -> None:
-        self._pg = Wrapper()
+def test_a_process_group_with_an_operation_given_up_is_set_aside_not_aborted():
+    """``abort`` (the failed step's, or the next reconfiguration's) sets the Gloo group aside once an operation of it
+    was given up, and aborts as torchft does otherwise."""
+    pg = StoreCheckedProcessGroupGloo()
+    pg.__dict__["left_behind_watch"] = LeftBehindWatch(Signal(MovedOn(2)), check_after=0.0)
+    held = pg._pg = object()
+    pg.left_behind_watch.track(BackendWork())
+    pg.left_behind_watch.check()
+    pg.abort()
+    assert pg._pg is None and held is not None
+    assert not pg.set_aside_if_left_behind(), "once per give-up"
 
 
-def test_setting_aside_detaches_the_gloo_group_without_aborting_it():
-    manager = HoldsWrapper()
-    old = manager._pg._pg
-    assert set_aside_process_group(manager)  # type: ignore[arg-type]
-    assert manager._pg._pg is None and old is not None
-    assert not set_aside_process_group(manager)  # type: ignore[arg-type]
+def members_of_one_quorum(world_size: int, arrive: list[int], grace: float = 0.5) -> dict[int, BaseException | None]:
+    """Members ``arrive`` of a ``world_size`` quorum, each in its own thread on one real TCPStore (the primary's),
+    each under the process group's prefix as torchft gives it; returns what each one's wait ended with."""
+    primary = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    outcome: dict[int, BaseException | None] = {}
+
+    def member(rank: int) -> None:
+        store = PrefixStore("torchft/5/0", TCPStore("127.0.0.1", primary.port, is_master=False))
+        try:
+            wait_for_every_member(store, rank, world_size, quorum_id=5, grace=grace)
+            outcome[rank] = None
+        except BaseException as error:  # the outcome is what is asserted
+            outcome[rank] = error
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in arrive]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outcome
+
+
+def test_every_member_arrives_and_the_rendezvous_goes_ahead():
+    assert members_of_one_quorum(3, [0, 1, 2]) == {0: None, 1: None, 2: None}
+
+
+def test_a_member_that_never_arrives_gives_the_quorum_up_for_everyone_within_the_grace():
+    started = time.monotonic()
+    outcome = members_of_one_quorum(3, [0, 1], grace=0.5)
+    assert time.monotonic() - started < 10, "the members must not wait for a rendezvous timeout"
+    for rank in (0, 1):
+        assert isinstance(outcome[rank], QuorumMemberMissingError), outcome
+        assert "replica rank(s) [2] of quorum 5" in str(outcome[rank])
+
+
+def test_a_member_arriving_after_the_quorum_was_given_up_does_not_enter_it():
+    """The decision is one per quorum: the late member follows it instead of entering a rendezvous alone."""
+    primary = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    early = PrefixStore("torchft/5/0", TCPStore("127.0.0.1", primary.port, is_master=False))
+    with pytest.raises(QuorumMemberMissingError):
+        wait_for_every_member(early, 0, 2, quorum_id=5, grace=0.1)
+    late = PrefixStore("torchft/5/0", TCPStore("127.0.0.1", primary.port, is_master=False))
+    with pytest.raises(QuorumMemberMissingError, match=r"replica rank\(s\) \[1\]"):
+        wait_for_every_member(late, 1, 2, quorum_id=5, grace=5.0)
 
 
 def test_a_real_pending_gloo_allreduce_is_given_up_set_aside_and_the_process_exits_without_waiting_for_it(tmp_path):
-    """Two processes on a real torchft Gloo process group; one starts an allreduce the other never joins, so it stays
-    pending in Gloo for real (600-s timeout). The watch gives it up, the process group is set aside without an
-    abort, a new one is configured and used, and the process exits: none of it waits for the pending allreduce (the
-    test's 120-s deadline would expire first)."""
+    """Two processes on lightning-ft's Gloo process group; one starts an allreduce the other never joins, so it
+    stays pending in Gloo for real (600-s timeout). The process group's watch gives it up, the next configure sets
+    the group aside without an abort, a new one is configured and used, and the process exits: none of it waits
+    for the pending allreduce (the test's 120-s deadline would expire first)."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{store.port}"
     worker = str(Path(__file__).resolve().parent / "workers" / "pending_gloo_worker.py")

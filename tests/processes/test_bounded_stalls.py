@@ -1,0 +1,80 @@
+"""No survivor waits out a collective timeout: a bound on every kill, on every path that crosses groups.
+
+Each test sets a long collective timeout (``--timeout=120``) and holds its victim exactly where the stall would be:
+in a quorum member's rendezvous, or left behind in a collective of the DDP hook, the FSDP2 hook, a DiLoCo sync or a
+validation section. Each asserts that the group waiting there goes on within a deadline far shorter than the
+timeout, and that the job still ends with bit-identical replicas at the exact step count.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from test_failure_injection import assert_identical_at
+from test_fault_tolerance import GATES, start_together
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+# Far shorter than the 120-s collective timeout the jobs run with.
+DEADLINE_S = 60.0
+
+
+def test_a_member_dead_before_the_rendezvous_of_its_quorum_is_given_up_not_waited_for(launch):
+    """3 groups × 1 process, at least 2 per quorum. Group 2 is killed and restarted; groups 0 and 1 train on and are
+    held. The restarted group 2 asks for its first quorum and is SIGKILLed while its request waits at the lighthouse
+    (no quorum of one). Its heartbeats stay fresh for 10 s (the test's heartbeat timeout), so when 0 and 1 ask, the
+    quorum forms with the dead group in it; the membership changed, so every member builds a new process group, and
+    Gloo's rendezvous would wait the whole 120-s timeout for the dead member's address. Instead, 0 and 1 give that
+    quorum up when group 2 does not arrive (``quorum_member_missing``) and commit on their own at the next one. Group
+    2 restarts once more, heals, and the job ends with three bit-identical replicas."""
+    max_steps = 60
+    job = launch(
+        groups=3,
+        worker_args=[f"--max-steps={max_steps}", "--timeout=120", *GATES],
+        launcher_args=["--heartbeat-timeout-ms=10000", "--min-replicas=2"],
+        max_restarts=3,
+    )
+    start_together(job, groups=3, nproc=1)
+    first = job.worker_pid(2, 0, 0)
+    job.wait_for("group 2 to commit 3 steps", lambda: len(job.committed_steps(2, pid=first)) >= 3)
+    held_at = max(job.committed_steps(2, pid=first)) + 10
+    holds = [job.hold_from_step(group, held_at) for group in (0, 1)]
+    os.kill(first, signal.SIGKILL)
+    restarted = job.wait_for("torchrun to restart group 2", lambda: job.worker_pid(2, 0, 1))
+    for group in (0, 1):
+        job.wait_for(f"group {group} to stop at its hold", lambda g=group: job.events("paused", group=g))
+    job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    job.wait_quorum_requests("its request to wait at the lighthouse")
+    (job.root / "go").unlink()  # group 2's next restart waits until the survivors are past the dead quorum
+    killed_at = time.time()
+    os.kill(restarted, signal.SIGKILL)
+    for group in (0, 1):  # on, to 3 steps later: the job must not end before group 2 is back
+        job.hold_from_step(group, held_at + 3)
+    job.wait_for(
+        "groups 0 and 1 to give the quorum with the dead group up",
+        lambda: all(job.events("quorum_member_missing", group=g) for g in (0, 1)),
+        timeout=DEADLINE_S,
+    )
+
+    def first_commits_after_the_kill() -> list[float] | None:
+        times = [
+            [e["time"] for e in job.events("step", group=g, committed=True, participants=2) if e["time"] > killed_at]
+            for g in (0, 1)
+        ]
+        return [min(t) for t in times] if all(times) else None
+
+    resumed = job.wait_for("groups 0 and 1 to commit again, on their own", first_commits_after_the_kill, DEADLINE_S)
+    (job.root / "go").touch()
+    last = job.wait_for("group 2's second restart", lambda: job.worker_pid(2, 0, 2))
+    job.wait_for("it to ask for its first quorum", lambda: job.events("joining", pid=last))
+    for hold in holds:
+        hold.unlink()
+    assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
+    stall = max(resumed) - killed_at
+    assert stall < DEADLINE_S, f"the survivors stalled {stall:.1f}s after the kill"
+    for missing in job.events("quorum_member_missing"):
+        assert "replica rank(s) [2]" in missing["reason"] and missing["waited_s"] < 5.0, missing
+    assert len(job.events("started", group=2)) == 3 and job.events("healed", group=2, pid=last), job.tail()
