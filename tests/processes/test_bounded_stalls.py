@@ -13,10 +13,25 @@ import signal
 import time
 
 import pytest
-from test_failure_injection import assert_identical_at
+from harness import LaunchedJob, assert_tree_equal
+from test_failure_injection import assert_identical_at, inject
 from test_fault_tolerance import GATES, start_together
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+def assert_semi_sync_identical_at(job: LaunchedJob, *, max_steps: int, syncs: int, replicas: int) -> None:
+    """As ``assert_identical_at`` for LocalSGD/DiLoCo: what the syncs make equal (the outer state, the model, the
+    schedulers) is bit-identical in every replica; each group's inner optimizer is its own."""
+    assert job.wait_exit() == 0, job.tail()
+    states = job.final_states()
+    assert len(states) == replicas, sorted(states)
+    first = next(iter(states.values()))
+    for key, state in states.items():
+        assert state["global_step"] == max_steps and state["manager_step"] == syncs, (key, state["manager_step"])
+        for name in ("outer_state", "model", "lr_schedulers", "lrs"):
+            assert_tree_equal(first[name], state[name], f"{key} {name}")
+
 
 # Far shorter than the 120-s collective timeout the jobs run with.
 DEADLINE_S = 60.0
@@ -78,3 +93,51 @@ def test_a_member_dead_before_the_rendezvous_of_its_quorum_is_given_up_not_waite
     for missing in job.events("quorum_member_missing"):
         assert "replica rank(s) [2]" in missing["reason"] and missing["waited_s"] < 5.0, missing
     assert len(job.events("started", group=2)) == 3 and job.events("healed", group=2, pid=last), job.tail()
+
+
+# Worker arguments; the global step of the stuck collective; where groups 0 and 1 are held until group 2 gave up
+# (after their next quorum, whose reconfiguration is what group 2 reads); the Manager's committed steps at the end
+# (40 optimizer steps, or the first sync and 10 DiLoCo syncs). FSDP2 without ``fsdp_wrap`` reduces one flat shard
+# per step: a group held in one of several sequential allreduces would hold its peers in the next one, a case no
+# real loss of a send makes.
+LEFT_BEHIND_PATHS = [
+    pytest.param([], 8, 12, 40, id="ddp-hook"),
+    pytest.param(["--data-parallel=fsdp", "--async-quorum=0"], 8, 12, 40, id="fsdp2-hook"),
+    pytest.param(["--algorithm=diloco", "--sync-every=4", "--async-quorum=0"], 8, 14, 11, id="diloco-sync"),
+]
+
+
+@pytest.mark.parametrize(("path_args", "step", "held_at", "committed"), LEFT_BEHIND_PATHS)
+def test_a_group_left_behind_in_a_collective_gives_it_up_and_heals_without_waiting_for_the_timeout(
+    launch, path_args, step, held_at, committed
+):
+    """Group 2's first cross-group collective at ``step`` runs (groups 0 and 1 complete it and go on) but never
+    completes in group 2, which keeps heartbeating: what a survivor sees when Gloo loses a send after a peer died in
+    the collective. Groups 0 and 1 form the next quorum without it; group 2 reads their moved-on marker, gives the
+    collective up (its step or sync does not commit), and heals at a later quorum, in the same process. The 120-s
+    collective timeout is never what ends it: the injected collective would fail with its own message. Groups 0 and
+    1 are held (heartbeating) until group 2 has given up, so that the job cannot end first."""
+    max_steps = 40
+    stuck = {"kind": "stuck", "group": 2, "step": step, "at": "allreduce"}
+    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--timeout=120", inject(stuck), *path_args, *GATES])
+    holds = [job.hold_from_step(group, held_at) for group in (0, 1)]
+    start_together(job, groups=3, nproc=1)
+    [given_up] = job.wait_for(
+        "group 2 to give its collective up", lambda: job.events("collective_left_behind"), timeout=DEADLINE_S
+    )
+    for hold in holds:
+        hold.unlink()
+    if "--algorithm=diloco" in path_args:  # each group's inner optimizer is its own: the outer state is shared
+        assert_semi_sync_identical_at(job, max_steps=max_steps, syncs=committed, replicas=3)
+    else:
+        assert_identical_at(job, max_steps=max_steps, committed=committed, replicas=3)
+    [injected] = job.events("failure_injected")
+    assert given_up["group"] == 2 and given_up["newer_quorum_id"] > given_up["quorum_id"], given_up
+    assert given_up["waited_s"] < DEADLINE_S and given_up["time"] - injected["time"] < DEADLINE_S, given_up
+    assert len(job.events("process_group_set_aside", group=2)) == 1
+    assert len(job.events("started", group=2)) == 1, "the stuck group must go on in the same process"
+    heals = [e for e in job.events("healed", group=2) if e["time"] > given_up["time"]]
+    assert heals, f"group 2 did not heal after giving the collective up\n{job.tail()}"
+    for group in (0, 1):
+        assert not job.events("step", group=group, committed=False), f"group {group} lost a step"
+    assert "stuck allreduce timed out" not in job.log_path.read_text(errors="replace")
