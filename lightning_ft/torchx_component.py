@@ -17,9 +17,10 @@ The roles:
 
 * ``lighthouse``: torchft's own ``torchft_lighthouse`` binary, which starts in a second (no Lightning import), on
   ``lighthouse_port`` of its host.
-* ``group0`` .. ``group{N-1}``: ``python -m torch.distributed.run --standalone --nproc-per-node K --max-restarts R
-  SCRIPT ARGS`` with ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (restarted Gloo workers cannot reconnect without it, pytorch issue 135712).
+* ``group0`` .. ``group{N-1}``: ``python -m lightning_ft_job.torchrun_agent --standalone --nproc-per-node K
+  --max-restarts R SCRIPT ARGS`` (torchrun's agent: :mod:`lightning_ft_job.torchrun_agent`) with
+  ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  (restarted Gloo workers cannot reconnect without it, pytorch issue 135712).
   One host per group; a group spanning several hosts is a torchrun rendezvous of its own (``docs/operations.md``).
 
 Where the groups find the lighthouse: ``lighthouse`` (a URL) when the job should join a lighthouse that runs as a

@@ -15,11 +15,12 @@ def torchrun_arguments(nproc_per_group: int, max_restarts: int) -> list[str]:
 
     ``--standalone`` runs the group's rendezvous on this host, on a free port, so groups on one machine never share
     one: a group spans one host here, and a group that spans several is a torchrun rendezvous of its own
-    (``docs/operations.md``).
+    (``docs/operations.md``). The agent is torchrun's own, ending without the interpreter's teardown
+    (:mod:`lightning_ft_job.torchrun_agent`).
     """
     return [
         "-m",
-        "torch.distributed.run",
+        "lightning_ft_job.torchrun_agent",
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={nproc_per_group}",

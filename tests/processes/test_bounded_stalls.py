@@ -116,7 +116,8 @@ def test_a_group_left_behind_in_a_collective_gives_it_up_and_heals_without_waiti
     the collective. Groups 0 and 1 form the next quorum without it; group 2 reads their moved-on marker, gives the
     collective up (its step or sync does not commit), and heals at a later quorum, in the same process. The 120-s
     collective timeout is never what ends it: the injected collective would fail with its own message. Groups 0 and
-    1 are held (heartbeating) until group 2 has given up, so that the job cannot end first."""
+    1 are held (heartbeating) until group 2 has given up, so that the job cannot end first. (Three groups: the
+    lighthouse forms a quorum of a majority of the heartbeating groups only, and group 2 keeps heartbeating.)"""
     max_steps = 40
     stuck = {"kind": "stuck", "group": 2, "step": step, "at": "allreduce"}
     job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--timeout=120", inject(stuck), *path_args, *GATES])
