@@ -142,3 +142,54 @@ def test_a_group_left_behind_in_a_collective_gives_it_up_and_heals_without_waiti
     for group in (0, 1):
         assert not job.events("step", group=group, committed=False), f"group {group} lost a step"
     assert "stuck allreduce timed out" not in job.log_path.read_text(errors="replace")
+
+
+# Worker arguments, and the step after which group 2 is held before its gate into the section's next collective
+# (a validation every 5 steps of LocalSGD, a sync every 20; a consistency check every 5 DDP steps, which runs after
+# the test's hold at the end of batch 5).
+SECTIONS = [
+    pytest.param(["--algorithm=local_sgd", "--sync-every=20", "--async-quorum=0", "--val-every=5"], 3, id="validation"),
+    pytest.param(["--consistency-every=5"], 5, id="consistency-check"),
+]
+
+
+@pytest.mark.parametrize(("section_args", "victim_held_at"), SECTIONS)
+def test_a_group_killed_inside_a_sync_sections_collective_the_survivors_go_on_within_the_bound(
+    launch, section_args, victim_held_at
+):
+    """3 groups × 1 process. Group 2 is held inside its first cross-group collective of the section at step 5 (a
+    LocalSGD validation's, or a DDP consistency check's), where groups 0 and 1 wait for it in the same collective,
+    and is SIGKILLed there. The survivors' collective fails, their section runs again on a quorum without group 2
+    (or falls back), and they commit again, well within the 120-s collective timeout. Group 2 restarts and heals;
+    three replicas end bit-identical."""
+    max_steps = 40
+    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--timeout=120", *section_args, *GATES])
+    victim_hold = job.hold_from_step(2, victim_held_at)
+    survivor_holds = [job.hold_from_step(group, 25) for group in (0, 1)]
+    start_together(job, groups=3, nproc=1)
+    victim = job.worker_pid(2, 0, 0)
+    job.wait_for("group 2 to stop at its hold", lambda: job.events("paused", group=2, phase="from_step"))
+    (job.root / "pause.group2.allreduce").touch()
+    victim_hold.unlink()
+    job.wait_for("group 2 to stop in the section's collective", lambda: job.events("paused", phase="allreduce"))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    (job.root / "pause.group2.allreduce").unlink()
+    for group in (0, 1):
+        job.wait_held_alone(group, since=killed_at, participants=2)
+    resumed = max(
+        min(e["time"] for e in job.events("step", group=g, committed=True, participants=2) if e["time"] > killed_at)
+        for g in (0, 1)
+    )
+    restarted = job.wait_for("torchrun to restart group 2", lambda: job.worker_pid(2, 0, 1))
+    job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    for hold in survivor_holds:
+        hold.unlink()
+    if "--algorithm=local_sgd" in section_args:
+        assert_semi_sync_identical_at(job, max_steps=max_steps, syncs=1 + max_steps // 20, replicas=3)
+    else:
+        assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
+    assert resumed - killed_at < DEADLINE_S, f"the survivors committed again {resumed - killed_at:.1f}s after the kill"
+    assert job.events("healed", group=2, pid=restarted), job.tail()
+    for group in (0, 1):
+        assert len(job.events("started", group=group)) == 1, f"group {group} must stay up throughout"
