@@ -1,11 +1,17 @@
-"""How long the survivors stall after a kill, over many kills of a 3-group job (the 10-s stall of issue 7).
+"""How long the survivors stall after a kill, over many kills of a 3-group job, on each training path.
 
 Three replica groups of the test worker (``tests/processes/workers/train_worker.py``) under ``lightning-ft launch``,
-with the launcher's defaults; every few seconds one group is SIGKILLed (in turn 0, 1, 2), and the time from the kill to
-each survivor's next committed step is recorded; once the restarted group commits with both others again, the next kill
-follows. The job is started and watched with the test harness (``tests/processes/harness.py``). Usage::
+with the launcher's defaults (heartbeat timeout 1 s); one group after another is SIGKILLed (in turn 0, 1, 2), and the
+survivors' longest time without a commit, from the kill until the restarted group is back, is recorded; once the
+restarted group commits with both others again, the next kill follows. ``--path`` picks the training path (DDP's
+hook, FSDP2's hook in HSDP, DiLoCo's syncs); ``--where`` where the kill lands: at a random moment of training
+(``random``), held at the start of a batch, before its quorum (``batch_start``), or held inside the victim's next
+cross-group collective, its peers waiting in theirs (``allreduce``); ``mixed`` cycles through the three. A wait over
+``--bound`` seconds (the heartbeat timeout plus one second) is counted. The job is started and watched with the test
+harness (``tests/processes/harness.py``). Usage::
 
     python benchmarks/kill_loop.py --kills 27        # about 3 minutes on 2 cores
+    python benchmarks/kill_loop.py --path diloco --where mixed --kills 30 --out results/kill_loop_diloco.json
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -27,6 +34,13 @@ sys.path.insert(0, str(REPO / "tests"))
 from harness import LaunchedJob, launch_job
 
 STALL_S = 5.0  # a survivor that commits later than this after a kill waited for more than the heartbeat timeout
+BOUND_S = 2.0  # the launcher's heartbeat timeout (1 s) plus one second
+PATHS = {
+    "ddp": [],
+    "hsdp": ["--data-parallel=fsdp", "--fsdp-wrap=Linear", "--async-quorum=0"],
+    "diloco": ["--algorithm=diloco", "--sync-every=4", "--async-quorum=0"],
+}
+WHERE = ("random", "batch_start", "allreduce")
 
 
 def commits_together_after(job: LaunchedJob, since: float) -> bool:
@@ -39,12 +53,23 @@ def first_commit_after(job: LaunchedJob, group: int, since: float) -> float | No
     return min(times) if times else None
 
 
-def kill_once(job: LaunchedJob, victim: int) -> list[float]:
-    """SIGKILL ``victim``; return each survivor's delay to its next commit, once the victim is back and all commit."""
+def kill_once(job: LaunchedJob, victim: int, where: str, rng: random.Random) -> list[float]:
+    """SIGKILL ``victim`` at ``where``; return each survivor's longest wait, once the victim is back and all commit."""
     survivors = [g for g in range(3) if g != victim]
     attempt = job.attempt(victim, 0)
+    pid = job.worker_pid(victim, 0, attempt)
+    if where == "random":
+        time.sleep(rng.uniform(0.0, 0.5))
+    else:
+        gate = job.root / f"pause.group{victim}.{where}"
+        since = time.time()
+        gate.touch()
+        job.wait_for(f"the victim to stop at {where}", lambda: any(
+            e["time"] > since for e in job.events("paused", group=victim, pid=pid, phase=where)))  # fmt: skip
     killed_at = time.time()
-    os.kill(job.worker_pid(victim, 0, attempt), signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+    if where != "random":
+        gate.unlink()
     job.wait_for("the survivors to commit", lambda: all(first_commit_after(job, g, killed_at) for g in survivors))
     job.wait_for("the restart", lambda: job.worker_pid(victim, 0, attempt + 1))
     back_at = time.time()
@@ -60,35 +85,61 @@ def longest_wait(job: LaunchedJob, group: int, killed_at: float, back_at: float)
     return round(max(b - a for a, b in itertools.pairwise([killed_at, *until_back])), 3)
 
 
-def run(kills: int, root: Path) -> list[list[float]]:
-    job = launch_job(root, groups=3, max_restarts=kills + 2, worker_args=["--max-steps=1000000", "--timeout=30"])
-    delays: list[list[float]] = []
+def run(kills: int, root: Path, path: str, where: str, seed: int) -> list[dict]:
+    job = launch_job(
+        root,
+        groups=3,
+        max_restarts=kills + 2,
+        worker_args=["--max-steps=1000000", "--timeout=30", "--gate-dir={root}", *PATHS[path]],
+    )
+    rng = random.Random(seed)
+    records: list[dict] = []
     try:
+        job.wait_for("every Manager to start", lambda: all(job.worker_pid(g, 0) for g in range(3)), timeout=120)
+        (job.root / "go").touch()
         job.wait_for("every group to commit together", lambda: commits_together_after(job, 0.0), timeout=120)
         for kill in range(kills):
-            delays.append(kill_once(job, victim=kill % 3))
-            print(f"kill {kill} of group {kill % 3}: the survivors' longest waits {delays[-1]} s", flush=True)
+            at = WHERE[kill % len(WHERE)] if where == "mixed" else where
+            delays = kill_once(job, victim=kill % 3, where=at, rng=rng)
+            records.append({"victim": kill % 3, "where": at, "delays_s": delays})
+            print(f"kill {kill} of group {kill % 3} at {at}: the survivors' longest waits {delays} s", flush=True)
     finally:
         job.stop()
-    return delays
+    return records
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=27)
+    parser.add_argument("--path", choices=sorted(PATHS), default="ddp")
+    parser.add_argument("--where", choices=[*WHERE, "mixed"], default="random")
+    parser.add_argument("--bound", type=float, default=BOUND_S)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "kill_loop.json")
     parser.add_argument("--keep", type=Path, default=None, help="run the job in this directory and keep its logs")
     args = parser.parse_args()
     if args.keep is not None:
-        delays = run(args.kills, args.keep)
+        records = run(args.kills, args.keep, args.path, args.where, args.seed)
     else:
         with tempfile.TemporaryDirectory(prefix="lightning-ft-kill-loop-") as scratch:
-            delays = run(args.kills, Path(scratch))
-    worst = [max(pair) for pair in delays]
-    stalls = sum(delay > STALL_S for delay in worst)
-    print(f"{args.kills} kills: median {statistics.median(worst):.2f} s, {stalls} stalls over {STALL_S:.0f} s")
+            records = run(args.kills, Path(scratch), args.path, args.where, args.seed)
+    worst = [max(r["delays_s"]) for r in records]
+    over = sum(delay > args.bound for delay in worst)
+    summary = {
+        "median_s": statistics.median(worst),
+        "p99_s": percentile(worst, 0.99),
+        "max_s": max(worst),
+        "over_bound": over,
+        "bound_s": args.bound,
+    }
+    print(f"{args.path}, {args.where}, {len(records)} kills: {summary}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine(), "kills": args.kills, "delays_s": delays, "stalls_over_5s": stalls}
+    result = {"machine": machine(), "path": args.path, "where": args.where, "kills": records, **summary}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
