@@ -27,7 +27,12 @@ from lightning_ft_cli.processes import children_of, terminate_with_parent
 from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
 from lightning_ft_job.events import ENV_EVENTS_DIR
-from lightning_ft_job.lighthouse_server import LOCAL_HEARTBEAT_TIMEOUT_MS, LOCAL_JOIN_TIMEOUT_MS, start_lighthouse
+from lightning_ft_job.lighthouse_server import (
+    LOCAL_HEARTBEAT_TIMEOUT_MS,
+    LOCAL_JOIN_TIMEOUT_MS,
+    LighthouseBindError,
+    start_lighthouse,
+)
 from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
 STOP_GRACE_SECONDS = 10.0
@@ -296,12 +301,18 @@ def run(args: argparse.Namespace) -> int:
     lighthouse = None
     url = args.lighthouse
     if url is None:
-        lighthouse = start_lighthouse(
-            bind=args.lighthouse_bind,
-            min_replicas=args.min_replicas,
-            join_timeout_ms=args.join_timeout_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        )
+        try:
+            lighthouse = start_lighthouse(
+                bind=args.lighthouse_bind,
+                min_replicas=args.min_replicas,
+                join_timeout_ms=args.join_timeout_ms,
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            )
+        except LighthouseBindError as error:
+            if scratch_events is not None:
+                shutil.rmtree(scratch_events, ignore_errors=True)
+            print(str(error), file=sys.stderr)
+            return 2
         url = lighthouse.address
     started = "" if args.group_ids is None else f", starting group(s) {','.join(map(str, group_ids))} here"
     print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s){started}", flush=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
-from lightning_ft_job.lighthouse_server import start_lighthouse
+from lightning_ft_job.lighthouse_server import LighthouseBindError, start_lighthouse
 
 # torchft's own defaults, sized for a cluster: a dead group is declared dead after 5 s without a heartbeat.
 CLUSTER_JOIN_TIMEOUT_MS = 60000
@@ -38,13 +39,17 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    lighthouse = start_lighthouse(
-        bind=args.bind,
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms,
-    )
+    try:
+        lighthouse = start_lighthouse(
+            bind=args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
+        )
+    except LighthouseBindError as error:
+        print(str(error), file=sys.stderr)
+        return 2
     print(f"lightning-ft lighthouse: listening on {lighthouse.address}", flush=True)
     print(f"lightning-ft lighthouse: status page {lighthouse.address}/ (open in a browser)", flush=True)
     # Wake up now and then: a signal delivered to one of the lighthouse's native threads only sets CPython's flag, and

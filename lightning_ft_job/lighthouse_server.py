@@ -38,6 +38,10 @@ LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
 LOCAL_JOIN_TIMEOUT_MS = 300
 
 
+class LighthouseBindError(OSError):
+    """The lighthouse's address is taken."""
+
+
 @dataclass
 class EmbeddedLighthouse:
     """A running lighthouse and the URL that clients should use to reach it."""
@@ -61,13 +65,23 @@ def start_lighthouse(
     torchft reports its address with the machine's hostname. When bound to a specific IP (loopback, by default),
     that hostname may not resolve to the bound address, so the URL is rebuilt from the bind host.
     """
-    server = lighthouse_server_class()(
-        bind=bind,
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
+    try:
+        server = lighthouse_server_class()(
+            bind=bind,
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=quorum_tick_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+    except RuntimeError as error:
+        if "Address already in use" not in str(error):
+            raise
+        raise LighthouseBindError(
+            f"lightning-ft: cannot start a lighthouse on {bind}: the port is already in use (another lighthouse, or "
+            f"another program, listens there). Give a free port, or port 0 to pick one: --bind / --lighthouse-bind "
+            f"HOST:0. To join a lighthouse that already runs there, pass its URL instead (lightning-ft launch "
+            f"--lighthouse http://HOST:PORT)."
+        ) from error
     reported = server.address()
     port = urlsplit(reported).port
     host = bind.rsplit(":", 1)[0]

@@ -31,8 +31,10 @@ network namespaces, where torchft's defaults are unreachable).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,7 +167,7 @@ def build_manager(
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = build_cross_group_process_group(settings, device, hostname)
     transport = TimedTransport(checkpoint_transport(settings, pg, device, hostname))
-    with manager_server_bound_to(hostname):
+    with manager_server_bound_to(hostname), lighthouse_reached(lighthouse_addr, settings):
         manager = FTManager(
             pg=pg,
             load_state_dict=None,
@@ -197,6 +199,28 @@ def build_manager(
     return ManagerHandle(
         manager=manager, store=store, lighthouse=lighthouse, transport=transport, outage_client=outage_client
     )
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """The group's ManagerServer could not connect to the lighthouse it was given within ``connect_timeout``."""
+
+
+@contextlib.contextmanager
+def lighthouse_reached(lighthouse_addr: str | None, settings: FTSettings) -> Iterator[None]:
+    """Turn torchft's raw "failed to connect to <url>" of the Manager's construction into an error that names the
+    lighthouse, the settings that chose it and the fix."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not lighthouse_addr or "failed to connect" not in str(error) or lighthouse_addr not in str(error):
+            raise
+        seconds = settings.connect_timeout.total_seconds()
+        raise LighthouseUnreachableError(
+            f"lightning-ft: cannot reach the lighthouse at {lighthouse_addr} within connect_timeout={seconds:g}s. It "
+            f"is set by FTStrategy(lighthouse=...) or the TORCHFT_LIGHTHOUSE environment variable. Start it first "
+            f"(`lightning-ft lighthouse`; `lightning-ft launch` starts one for you), or point the setting at the one "
+            f"that runs: its status page answers at {lighthouse_addr.rstrip('/')}/ in a browser. (torchft: {error})"
+        ) from error
 
 
 def composed_client(

@@ -74,12 +74,18 @@ class WatchedWork(dist.Work):
         super().__init__()
         self._work = work  # the real operation, kept alive until it ends
         self._future = future
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._future.wait()  # raises the operation's error, or CollectiveLeftBehindError
+        """Wait for the operation (or its give-up); raises its error, or :class:`CollectiveLeftBehindError`. With
+        ``timeout``, raises ``TimeoutError`` once it has passed, as a backend's own ``wait(timeout)`` does."""
+        if timeout is not None and not self._done.wait(timeout.total_seconds()):
+            raise TimeoutError(f"lightning-ft: a cross-group operation did not complete within {timeout}")
+        self._future.wait()
         return True
 
     def is_completed(self) -> bool:
@@ -136,9 +142,14 @@ class LeftBehindWatch:
         # The Manager's step, for the event (set once the Manager exists; the process group is built before it).
         self.current_step: Callable[[], int | None] = lambda: None
 
-    def track(self, work: dist.Work) -> WatchedWork:
+    def track(self, work: dist.Work) -> dist.Work:
         """``work`` as handed out: its future completes with the operation, or fails once the operation is given
-        up."""
+        up. An operation without a future (Gloo's point-to-point sends and receives, which a heal over the process
+        group uses, and which take their own timeout) is handed out as it is."""
+        try:
+            done = work.get_future()
+        except RuntimeError:  # c10d's Work::getFuture "not implemented"
+            return work
         pending = _Pending(torch.futures.Future(), self._quorum_id(), self._clock())
         with self._lock:
             self._pending.add(pending)
@@ -158,7 +169,7 @@ class LeftBehindWatch:
             else:
                 pending.future.set_result(value)
 
-        work.get_future().add_done_callback(settle)
+        done.add_done_callback(settle)
         return WatchedWork(work, pending.future)
 
     def check(self) -> None:

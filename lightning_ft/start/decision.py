@@ -73,6 +73,8 @@ class StartDecision:
     floor_source: str = ""
     error: str | None = None
     missing_groups: tuple[int, ...] = field(default_factory=tuple)
+    # A setting that differs between the groups of the job (raised as FTConfigError).
+    config_error: str | None = None
 
 
 @dataclass
@@ -124,7 +126,10 @@ def decide_start(
     sleep: Callable[[float], None] = time.sleep,
 ) -> StartDecision:
     """Wait for a coherent start, then choose where to start from (see the module docstring)."""
-    status, missing = _wait_for_groups(context, read_status, clock, sleep)
+    try:
+        status, missing = _wait_for_groups(context, read_status, clock, sleep)
+    except _GroupsDisagree as mismatch:
+        return StartDecision(config_error=str(mismatch))
     live_peers = bool(status and status.fresh_groups(context.prefix) - {context.group})
     job_seen_before = context.attempt > 0 or bool(status and status.has_members_of(context.prefix))
     newest = context.record.newest()
@@ -157,6 +162,31 @@ def decide_start(
     return StartDecision(resume_from=newest.path, floor_step=newest.step, floor_source=source, missing_groups=missing)
 
 
+class _GroupsDisagree(Exception):
+    """The groups of the job were given different ``num_replica_groups``."""
+
+
+def _num_groups_mismatch(context: StartContext, status: LighthouseStatus | None) -> str | None:
+    """Why the job's groups cannot agree on ``num_replica_groups``, at the job's start: a group of this job heartbeats
+    with an id this group counts outside the job. Each group shards the data by its id and ``num_replica_groups``,
+    so groups that differ would read overlapping shards and skip others. (A job already under way is left alone: a
+    group may join it later.)"""
+    if status is None or status.live_member_steps(context.prefix, context.group):
+        return None
+    strangers = sorted(g for g in status.fresh_groups(context.prefix) if g >= context.num_groups)
+    if not strangers:
+        return None
+    return (
+        f"lightning-ft: replica group(s) {strangers} heartbeat to the lighthouse at {context.lighthouse} with this "
+        f"job's replica id prefix {context.prefix!r}, but this group (replica_group_id={context.group}) was given "
+        f"num_replica_groups={context.num_groups}, which has no such group. Every group of one job must be given the "
+        f"same num_replica_groups and a distinct replica_group_id below it: set the environment variable "
+        f"NUM_REPLICA_GROUPS or FTStrategy(num_replica_groups=...) alike in every group (lightning-ft launch "
+        f"--replica-groups does). If another job shares this lighthouse, give it its own lighthouse or "
+        f"FTStrategy(replica_id_prefix=...)."
+    )
+
+
 def _wait_for_groups(
     context: StartContext,
     read_status: Callable[[str], LighthouseStatus],
@@ -178,6 +208,9 @@ def _wait_for_groups(
                 "lightning-ft: cannot tell which replica groups are up (%s); starting without waiting for them", error
             )
             return None, ()
+        mismatch = _num_groups_mismatch(context, status)
+        if mismatch is not None:
+            raise _GroupsDisagree(mismatch)
         present = status.fresh_groups(context.prefix) | {context.group}
         missing = tuple(sorted(everyone - present))
         under_way = bool(status.live_member_steps(context.prefix, context.group))

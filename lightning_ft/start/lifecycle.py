@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_ft.loop_patches import LoopPatches
-from lightning_ft.settings import FTSettings
+from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft.start.decision import (
     JobAlreadyFinished,
     NoLivePeerError,
@@ -83,6 +83,8 @@ class GroupLifecycle:
             )
         decision = self._broadcast(decision)
         assert isinstance(decision, StartDecision)
+        if decision.config_error is not None:
+            raise FTConfigError(decision.config_error)
         if decision.error is not None:
             events.emit("no_live_peer", error=decision.error)
             raise NoLivePeerError(decision.error)

@@ -16,6 +16,7 @@ from support import trainer as make_trainer
 from test_cli import clean_env
 
 from lightning_ft import FTStrategy
+from lightning_ft.manager.builder import LighthouseUnreachableError
 
 CLI_DRIVER = Path(__file__).resolve().parent / "workers" / "cli_driver.py"
 
@@ -49,8 +50,12 @@ def test_an_unreachable_lighthouse_is_reported_within_connect_timeout(tmp_path, 
     url = f"http://127.0.0.1:{_closed_port()}"
     strategy = FTStrategy(lighthouse=url, connect_timeout=3, quorum_timeout=5, timeout=5)
     trainer = make_trainer(strategy, max_steps=2, default_root_dir=tmp_path)
-    with pytest.raises(RuntimeError, match=rf"{url}.*connect_timeout"):
+    with pytest.raises(LighthouseUnreachableError) as raised:
         trainer.fit(BoringModel())
+    message = str(raised.value)
+    assert f"cannot reach the lighthouse at {url} within connect_timeout=3s" in message, message
+    assert "FTStrategy(lighthouse=...)" in message and "TORCHFT_LIGHTHOUSE" in message, message
+    assert "lightning-ft lighthouse" in message, message
 
 
 @pytest.mark.timeout(300)

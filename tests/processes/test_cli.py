@@ -159,6 +159,20 @@ def test_launch_stops_everything_it_started_on_sigterm(tmp_path, worker_ignores_
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("command", [["lighthouse", "--bind"], ["launch", "--replica-groups=1", "--lighthouse-bind"]])
+def test_a_lighthouse_port_in_use_is_refused_naming_the_port_and_the_fix(command):
+    """Another program listens on the port the lighthouse is told to bind: exit 2 at once with a message naming the
+    address, the flag and port 0, no traceback (torchft alone says "Address already in use (os error 98)")."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        done = run(lightning_ft(*command, address, *(["--", "true"] if command[0] == "launch" else [])), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot start a lighthouse on {address}: the port is already in use" in done.stderr, done.stderr
+    assert "HOST:0" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_lighthouse_command_serves_until_sigterm():
     process = subprocess.Popen(lightning_ft("lighthouse", "--bind=127.0.0.1:0"), env=clean_env(), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,29 @@ def test_a_store_gone_with_its_primary_gives_the_operation_up_too():
     watch.shutdown()
     with pytest.raises(CollectiveLeftBehindError, match="store is gone"):
         work.wait()
+
+
+def test_an_operation_without_a_future_is_handed_out_as_it_is():
+    """Gloo's sends and receives (a heal over the process group) have no future: they are not watched, and keep
+    their own ``wait(timeout)``."""
+
+    class PointToPoint(dist.Work):
+        def get_future(self) -> torch.futures.Future[Any]:
+            raise RuntimeError("Work::getFuture not implemented")
+
+    send = PointToPoint()
+    watch, _ = make_watch(Signal(MovedOn(9)))
+    assert watch.track(send) is send
+
+
+def test_a_wait_with_a_timeout_times_out_as_the_backends_own_does():
+    watch, _ = make_watch(Signal(None))
+    work = watch.track(BackendWork())
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        work.wait(timedelta(seconds=0.2))
+    assert time.monotonic() - started < 10
+    watch.shutdown()
 
 
 def test_the_watchdog_thread_gives_up_on_its_own():

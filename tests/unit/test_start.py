@@ -162,6 +162,27 @@ def test_start_timeout_zero_starts_at_once():
     assert decision.missing_groups == (1,) and clock.now == 0.0
 
 
+def test_groups_given_different_num_replica_groups_stop_at_once_naming_the_setting():
+    """Group 2 heartbeats to a job this group was told has 2 groups: their data shards would overlap. The error
+    comes at the first reading, not after start_timeout, while group 1 is still missing."""
+    other_count = LighthouseStatus(quorum_id=0, heartbeats={replica(0): True, replica(2): True})
+    clock = FakeClock()
+    decision = decide_start(context(num_groups=2), scripted(other_count), clock, clock.sleep)
+    assert clock.now == 0.0 and decision.config_error is not None, decision
+    assert "replica group(s) [2]" in decision.config_error and "num_replica_groups=2" in decision.config_error
+    assert "NUM_REPLICA_GROUPS" in decision.config_error and "FTStrategy(num_replica_groups=...)" in (
+        decision.config_error
+    )
+
+
+def test_a_group_of_a_larger_count_joining_a_job_under_way_is_not_refused():
+    under_way = LighthouseStatus(
+        quorum_id=4, previous_quorum={replica(1): 12}, heartbeats={replica(0): True, replica(1): True, replica(2): True}
+    )
+    decision = decide_start(context(num_groups=2), scripted(under_way), FakeClock(), FakeClock().sleep)
+    assert decision.config_error is None
+
+
 def test_a_group_joining_a_job_under_way_does_not_wait():
     under_way = LighthouseStatus(
         quorum_id=4, previous_quorum={replica(1): 12}, heartbeats={replica(0): True, replica(1): True}
