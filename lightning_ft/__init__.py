@@ -23,6 +23,7 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
+from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
@@ -42,6 +43,7 @@ __all__ = [
     "FailureInjector",
     "FaultToleranceMonitor",
     "LighthouseUnavailableError",
+    "LighthouseUnreachableError",
     "ManagerCheckpointCallback",
     "QuorumCallback",
     "ReplicaConsistencyCheck",
