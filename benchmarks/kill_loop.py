@@ -31,6 +31,7 @@ from pathlib import Path
 from run_util import REPO, RESULTS, machine
 
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "processes"))
 from harness import LaunchedJob, launch_job
 
 STALL_S = 5.0  # a survivor that commits later than this after a kill waited for more than the heartbeat timeout

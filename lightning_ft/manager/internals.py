@@ -83,7 +83,7 @@ def left_behind_watch(manager: Manager) -> LeftBehindWatch | None:
 
 def set_aside_if_left_behind(manager: Manager) -> bool:
     """Set the cross-group Gloo group aside, unaborted, if one of its operations was given up; returns whether it
-    did (:meth:`lightning_ft.manager.quorum_store.FailFastOnGoneStore.set_aside_if_left_behind`)."""
+    did (:meth:`lightning_ft.manager.quorum_store.BoundedWaitsMixin.set_aside_if_left_behind`)."""
     set_aside = getattr(getattr(manager, "_pg", None), "set_aside_if_left_behind", None)
     return bool(set_aside()) if set_aside is not None else False
 

@@ -1,6 +1,10 @@
-"""Failing at once when a new quorum's store belongs to a group that is already gone.
+"""lightning-ft's cross-group process groups: no wait of theirs outlasts a dead member for longer than a bound.
 
-The failure this answers (seen in the two-kill chaos test, here and in CI): a group sends its quorum request and
+Three waits are bounded here: a reconfiguration through a dead primary's store (below), a rendezvous with a dead
+member (:mod:`lightning_ft.manager.arrival`), and a collective the other members have left
+(:mod:`lightning_ft.manager.left_behind`).
+
+The first failure this answers (seen in the two-kill chaos test, here and in CI): a group sends its quorum request and
 dies before the quorum forms. Its heartbeats are still fresh (the lighthouse's heartbeat timeout has not passed), so
 the lighthouse puts it in the quorum. When the membership changed, every member reconfigures torchft's cross-group
 process group through the TCPStore of the quorum's primary member. If the dead group is that primary, its store is
@@ -10,7 +14,7 @@ the others, formed into the next quorum without it, train on; a short job can ev
 survivor then comes back to train alone.
 
 A primary's store lives as long as its group's rank 0 (it is created before the group's Manager), so a refused
-connection means that group is gone. :class:`FailFastOnGoneStore` checks that with one plain TCP connect before
+connection means that group is gone. :class:`BoundedWaitsMixin` checks that with one plain TCP connect before
 torchft's ``configure`` and raises :class:`QuorumStoreGoneError` at once; torchft's quorum reports it, the step does
 not commit, and the next quorum, without the dead group, rebuilds the process group. Any other outcome of the probe
 (accepted, timed out, unreachable) leaves the connection to torchft as before.
@@ -83,7 +87,7 @@ if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 
     )
 
 
-class FailFastOnGoneStore:
+class BoundedWaitsMixin:
     """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``, the
     quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`: the previous quorum is marked as left, and
     :attr:`moved_on_signal` reads the new one's), and every member's arrival before the rendezvous
@@ -149,13 +153,13 @@ def _hold(process_group: Any, seconds: float) -> None:
     del process_group
 
 
-class StoreCheckedProcessGroupGloo(FailFastOnGoneStore, ProcessGroupGloo):
+class StoreCheckedProcessGroupGloo(BoundedWaitsMixin, ProcessGroupGloo):
     """torchft's ``ProcessGroupGloo`` that fails a reconfiguration through a dead primary's store at once, and gives
     up a collective the other members have left behind."""
 
     watches_collectives = True
 
 
-class StoreCheckedProcessGroupNCCL(FailFastOnGoneStore, ProcessGroupNCCL):
+class StoreCheckedProcessGroupNCCL(BoundedWaitsMixin, ProcessGroupNCCL):
     """torchft's ``ProcessGroupNCCL`` that fails a reconfiguration through a dead primary's store at once (its hung
     collectives are aborted by torchft's own timer)."""
