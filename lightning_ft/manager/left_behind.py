@@ -23,6 +23,10 @@ LocalSGD and DiLoCo syncs, the sync sections' and consistency checks' collective
   member counts too). If so, the watchdog gives the operation up: its future fails with
   :class:`CollectiveLeftBehindError`, which torchft's Manager (``Manager.allreduce``'s work, ``wrap_future``) and
   lightning-ft's DDP hook report as the step's error: the step does not commit, and the waiting thread goes on.
+* When an operation *fails* here (a peer died in it and closed the connection), the watchdog marks the quorum as
+  abandoned at once (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.abandon`): a member still waiting in the same
+  collective, whose send is lost, then gives it up at its next read instead of waiting until some member moves on,
+  which with DiLoCo can take until the dead group restarts.
 * The process group holding a given-up operation is set aside, not aborted (:meth:`LeftBehindWatch.take_left_behind`
   is read by the process group's ``abort``); the next quorum builds a new one. A late completion of a given-up
   operation is ignored: its result belongs to a step that is already lost.
@@ -56,10 +60,11 @@ from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
-# An operation pending this long is either stuck or moving a lot of data; only then is the quorum's store read.
-CHECK_AFTER_S = 1.0
+# An operation pending this long is either stuck or moving a lot of data; only then is the quorum's store read (one
+# ``check`` of a key, some 100 microseconds, per interval: nothing against an operation that takes this long).
+CHECK_AFTER_S = 0.5
 # How often the marker is read while an operation stays pending.
-INTERVAL_S = 0.5
+INTERVAL_S = 0.25
 
 
 class CollectiveLeftBehindError(RuntimeError):
@@ -114,6 +119,8 @@ class LeftBehindWatch:
     Args:
         moved_on: Whether another member has left the current quorum
             (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.moved_on`).
+        abandon: Marks a quorum as abandoned after one of its operations failed here
+            (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.abandon`); called from the watchdog thread.
         quorum_id: The process group's current quorum id (for the error and the event).
         clock: Time source (replaceable in tests).
         check_after: Seconds an operation may be pending before the quorum's store is read.
@@ -123,12 +130,14 @@ class LeftBehindWatch:
     def __init__(
         self,
         moved_on: Callable[[], MovedOn | None],
+        abandon: Callable[[int | None], None] = lambda quorum_id: None,
         quorum_id: Callable[[], int | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         check_after: float = CHECK_AFTER_S,
         interval: float = INTERVAL_S,
     ) -> None:
         self._moved_on = moved_on
+        self._abandon = abandon
         self._quorum_id = quorum_id
         self._clock = clock
         self._check_after = check_after
@@ -136,6 +145,9 @@ class LeftBehindWatch:
         self._lock = threading.Lock()
         self._pending: set[_Pending] = set()
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # set to make the watchdog act at once (a failed operation, shutdown)
+        self._failed_quorums: set[int | None] = set()  # quorums with an operation failed here, not yet marked
+        self._marked_quorums: set[int | None] = set()
         self._thread: threading.Thread | None = None
         self._warned_unreadable = False
         self._left_behind = False
@@ -165,12 +177,30 @@ class LeftBehindWatch:
             try:
                 value = finished.value()
             except Exception as error:
+                self._failed(pending.quorum_id)
                 pending.future.set_exception(error)
             else:
                 pending.future.set_result(value)
 
         done.add_done_callback(settle)
         return WatchedWork(work, pending.future)
+
+    def _failed(self, quorum_id: int | None) -> None:
+        """An operation of ``quorum_id`` failed here: have the watchdog mark the quorum as abandoned (a store write
+        is not made in the backend's thread that completes the operation)."""
+        with self._lock:
+            if quorum_id in self._marked_quorums:
+                return
+            self._failed_quorums.add(quorum_id)
+        self._wake.set()
+
+    def mark_abandoned(self) -> None:
+        """Mark each quorum with an operation failed here as abandoned, once (the watchdog's; callable in tests)."""
+        with self._lock:
+            quorums, self._failed_quorums = self._failed_quorums, set()
+            self._marked_quorums |= quorums
+        for quorum_id in quorums:
+            self._abandon(quorum_id)
 
     def check(self) -> None:
         """One look at the pending operations (the watchdog's loop body; callable directly in tests)."""
@@ -218,6 +248,7 @@ class LeftBehindWatch:
             step=self.current_step(),
             quorum_id=quorum_id,
             newer_quorum_id=moved_on.newer_quorum_id,
+            abandoned=moved_on.abandoned,
             waited_s=round(waited, 3),
         )
         for pending in left:
@@ -232,11 +263,17 @@ class LeftBehindWatch:
         return left
 
     def _watch(self) -> None:
-        while not self._stopped.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
             try:
+                self.mark_abandoned()
                 self.check()
             except Exception as error:  # the watchdog must never take the job down; Gloo's timeout still holds
                 log.warning("lightning-ft: the left-behind watchdog failed: %r", error)
 
     def shutdown(self) -> None:
         self._stopped.set()
+        self._wake.set()

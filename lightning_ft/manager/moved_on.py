@@ -11,6 +11,13 @@ The signal is this project's own, and needs nothing from the lighthouse: every m
 new quorum id under :data:`MARKER_KEY` in the old quorum's store. A member still in the old quorum reads it with one
 non-blocking ``check`` of its own store client (:meth:`MovedOnSignal.moved_on`).
 
+A member whose own part of a collective *failed* (a peer died in it and closed the connection) has abandoned the
+quorum too: its step cannot commit, and the next quorum gets a new id. It writes :data:`ABANDONED` under the same key
+at once (:meth:`MovedOnSignal.abandon`), because it may not be able to move on for a while: with DiLoCo, the
+survivor whose allreduce failed is alone in asking for a new quorum while another survivor stays in the collective,
+and one group is no majority of the groups that heartbeat. Without the marker, both would wait until the dead group
+restarts (measured: 6 to 7 s, ``docs/benchmarks.md`` section 2).
+
 When the old quorum's store is gone (its primary group died, and the store lived in that group's rank 0), no marker
 can be written or read; but then a member of the quorum is dead, and its collective can never complete either: the
 signal says so. Any other failure to read the store raises :class:`MovedOnUnknown`, and the caller falls back to the
@@ -37,6 +44,8 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 # Inside the process group's own prefix (``torchft/<quorum id>/<group rank>``): one marker per quorum and group rank.
 MARKER_KEY = "lightning_ft/moved_on"
+# The marker's value when a member's part of a collective failed (otherwise: the newer quorum's id).
+ABANDONED = "abandoned"
 STORE_TIMEOUT = timedelta(seconds=5)
 
 
@@ -46,13 +55,16 @@ class MovedOnUnknown(RuntimeError):
 
 @dataclass(frozen=True)
 class MovedOn:
-    """Another member left the quorum: for ``newer_quorum_id``, or (``None``) the quorum's store is gone with its
-    primary member."""
+    """Another member left the quorum: for ``newer_quorum_id``; or (``None``) abandoned it after a failed collective,
+    or the quorum's store is gone with its primary member."""
 
     newer_quorum_id: int | None
     by_this_group: bool = False  # this group reconfigures for a newer quorum itself
+    abandoned: bool = False  # a member's part of a collective failed: that member's step cannot commit
 
     def describe(self) -> str:
+        if self.abandoned:
+            return "a member of the quorum abandoned it (its part of a collective failed: a peer died in it)"
         if self.newer_quorum_id is None:
             return "the quorum's store is gone with the group that hosted it"
         who = "this replica group" if self.by_this_group else "another replica group"
@@ -78,12 +90,13 @@ class MovedOnSignal:
         self._lock = threading.Lock()
         self._store: Store | None = None
         self._store_addr: str | None = None
+        self._quorum_id: int | None = None
 
     def enter(self, store_addr: str, quorum_id: int | None) -> None:
         """This process now joins the quorum whose process group lives at ``store_addr``: mark the previous quorum as
         left (best effort: its store may be gone), then keep a client of the new one to read its marker."""
         with self._lock:
-            previous, self._store, self._store_addr = self._store, None, None
+            previous, self._store, self._store_addr, self._quorum_id = self._store, None, None, None
         if previous is not None and quorum_id is not None:
             try:
                 previous.set(MARKER_KEY, str(quorum_id))
@@ -95,7 +108,21 @@ class MovedOnSignal:
             log.debug("lightning-ft: no marker client for %s: %r", store_addr, error)
             return
         with self._lock:
-            self._store, self._store_addr = store, store_addr
+            self._store, self._store_addr, self._quorum_id = store, store_addr, quorum_id
+
+    def abandon(self, quorum_id: int | None) -> None:
+        """This process's part of a collective of quorum ``quorum_id`` failed: mark that quorum as abandoned, unless it
+        is no longer the current one (then this process already moved on, and marked it so). Best effort: a store
+        that cannot be written is one whose primary is gone, which the other members see anyway."""
+        with self._lock:
+            store, current = self._store, self._quorum_id
+        if store is None or quorum_id is None or quorum_id != current:
+            return
+        try:
+            if not store.check([MARKER_KEY]):
+                store.set(MARKER_KEY, ABANDONED)
+        except Exception as error:
+            log.debug("lightning-ft: could not mark quorum %s as abandoned: %r", quorum_id, error)
 
     @property
     def store(self) -> Store | None:
@@ -115,7 +142,8 @@ class MovedOnSignal:
         try:
             if not store.check([MARKER_KEY]):
                 return None
-            return MovedOn(int(store.get(MARKER_KEY)))
+            value = store.get(MARKER_KEY).decode()
+            return MovedOn(None, abandoned=True) if value == ABANDONED else MovedOn(int(value))
         except Exception as error:
             if self._store_gone(store_addr):
                 return MovedOn(None)

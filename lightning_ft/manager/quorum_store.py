@@ -104,7 +104,8 @@ class BoundedWaitsMixin:
 
     @cached_property
     def left_behind_watch(self) -> LeftBehindWatch:
-        return LeftBehindWatch(self.moved_on_signal.moved_on, quorum_id=lambda: getattr(self, "_quorum_id", None))
+        signal = self.moved_on_signal
+        return LeftBehindWatch(signal.moved_on, signal.abandon, quorum_id=lambda: getattr(self, "_quorum_id", None))
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         fail_if_store_gone(store_addr)

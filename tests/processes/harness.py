@@ -137,7 +137,9 @@ class LaunchedJob:
 
         self.wait_for(what, pending)
 
-    def wait_held_alone(self, group: int, since: float, commits: int = 1, participants: int = 1) -> None:
+    def wait_held_alone(
+        self, group: int, since: float, commits: int = 1, participants: int = 1, timeout: float = 120.0
+    ) -> None:
         """Wait until ``group`` has committed ``commits`` steps (or syncs) with ``participants`` groups (on its own,
         by default) after ``since``, and then stopped at its ``from_step`` hold (:meth:`hold_from_step`)."""
         self.wait_for(
@@ -150,6 +152,7 @@ class LaunchedJob:
                 )
                 >= commits
             ),
+            timeout,
         )
 
     def wait_exit(self, timeout: float = 240.0) -> int:

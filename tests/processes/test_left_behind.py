@@ -77,7 +77,7 @@ def test_an_operation_that_completes_hands_its_result_on_and_the_marker_is_never
     watch, clock = make_watch(signal)
     backend = BackendWork()
     work = watch.track(backend)
-    clock.now += 0.5
+    clock.now += 0.2
     watch.check()  # younger than check_after: nothing to ask
     backend.future.set_result([torch.full((2,), 3.0)])
     clock.now += 5
@@ -186,6 +186,40 @@ def test_the_watchdog_thread_gives_up_on_its_own():
         watch.shutdown()
 
 
+def test_an_operation_that_fails_here_marks_its_quorum_abandoned_once_from_the_watchdog():
+    """A peer died in the collective and closed the connection: this member's operation fails. Another member may
+    still wait in the same collective on a send that is lost; the abandoned marker is what releases it."""
+    abandoned: list[int | None] = []
+    watch = LeftBehindWatch(Signal(None), abandon=abandoned.append, quorum_id=lambda: 3)
+    first, second, third = BackendWork(), BackendWork(), BackendWork()
+    works = [watch.track(backend) for backend in (first, second, third)]
+    third.future.set_result([torch.ones(1)])
+    assert abandoned == [], "an operation that completes marks nothing"
+    first.future.set_exception(RuntimeError("Connection closed by peer"))
+    second.future.set_exception(RuntimeError("Connection closed by peer"))
+    try:
+        deadline = time.monotonic() + 30
+        while not abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watch.mark_abandoned()  # nothing left to mark: once per quorum
+    finally:
+        watch.shutdown()
+    assert abandoned == [3]
+    for work in works[:2]:
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            work.wait()
+
+
+def test_an_abandoned_marker_gives_a_pending_operation_up():
+    watch, clock = make_watch(Signal(MovedOn(None, abandoned=True)))
+    work = watch.track(BackendWork())
+    clock.now += 0.6
+    watch.check()
+    watch.shutdown()
+    with pytest.raises(CollectiveLeftBehindError, match="abandoned it"):
+        work.wait()
+
+
 def quorum_address(store: TCPStore, quorum_id: int, group_rank: int = 0) -> str:
     """What torchft's Manager gives the process group: ``<primary's store>/torchft/<quorum id>/<group rank>``."""
     return f"127.0.0.1:{store.port}/torchft/{quorum_id}/{group_rank}"
@@ -203,6 +237,24 @@ def test_a_member_that_reconfigures_for_a_newer_quorum_marks_the_old_one_for_tho
     assert staying.moved_on() == MovedOn(4)
     assert elsewhere.moved_on() is None, "a marker is per group rank: rank 1's quorum is not left"
     assert moving.moved_on() is None, "the new quorum is not left"
+
+
+def test_a_member_whose_collective_failed_marks_the_quorum_abandoned_for_those_still_in_it():
+    """On a real TCPStore: the member whose operation failed marks quorum 3 abandoned; the one still in it reads that.
+    A marker already there (another member moved on) is kept, and a quorum this member has left is not marked."""
+    primary = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    failed, staying = (MovedOnSignal(store_refuses_connections) for _ in range(2))
+    for member in (failed, staying):
+        member.enter(quorum_address(primary, 3), quorum_id=3)
+    failed.abandon(2)  # an older quorum's late failure: not the current one
+    assert staying.moved_on() is None
+    failed.abandon(3)
+    assert staying.moved_on() == MovedOn(None, abandoned=True)
+    for member in (failed, staying):
+        member.enter(quorum_address(primary, 5), quorum_id=5)
+    staying.enter(quorum_address(primary, 6), quorum_id=6)  # moved on first: its marker says so
+    failed.abandon(5)
+    assert failed.moved_on() == MovedOn(6), "a moved-on marker is not overwritten"
 
 
 def test_a_quorum_store_gone_with_its_primary_reads_as_moved_on():
