@@ -28,7 +28,7 @@ from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 import lightning_ft  # noqa: F401  registers "ft"
 from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
 from lightning_ft.callbacks import SyncCallback
-from lightning_ft.manager.internals import cross_group_process_group
+from lightning_ft.manager.internals import cross_group_process_group, manager_client
 from lightning_ft_job import events
 
 
@@ -207,6 +207,7 @@ class TestGates(pl.Callback):
       batches before it (``paused`` event).
     * ``<dir>/pause.group<G>.allreduce``: group G stops in its next cross-group allreduce, before handing it to the
       process group: its peers are left waiting in theirs (``paused`` event).
+    * ``<dir>/pause.group<G>.quorum``: group G stops with its next quorum's answer in hand, before acting on it.
     * ``<dir>/pause.group<G>.heal_send``: when group G next serves its state to a healing group over HTTP, it sends
       the first half of the bytes and stops there (``paused`` event), the healing group's fetch still open.
     * ``<dir>/pause.group<G>.last_ckpt_write``: when group G next writes ``last.ckpt``, it writes the first half of
@@ -238,6 +239,7 @@ class TestGates(pl.Callback):
             return allreduce(*args, **kwargs)
 
         process_group.allreduce = pausing_allreduce
+        self._pause_quorum_answers(trainer)
         self._pause_heal_sends(trainer)
         self._pause_last_checkpoint_writes(trainer)
         go = self.directory / "go"
@@ -249,6 +251,23 @@ class TestGates(pl.Callback):
         events.emit("paused", **fields)
         self._wait(lambda: not pause.exists(), f"{pause} to disappear")
         stream.write(payload[len(payload) // 2 :])
+
+    def _pause_quorum_answers(self, trainer: pl.Trainer) -> None:
+        """Hold the Manager's quorum thread with the lighthouse's answer in hand, before the group acts on it (heals,
+        rebuilds its process group, joins the step's allreduce), while the others already do: the moment a group
+        dies "inside a quorum request". Wraps the Manager's (Python) client, a test-only patch."""
+        client = manager_client(trainer.strategy.manager)
+        quorum = client._quorum
+        pause = self.directory / f"pause.group{self.group}.quorum"
+
+        def pausing_quorum(*args: Any, **kwargs: Any) -> Any:
+            answer = quorum(*args, **kwargs)
+            if pause.exists():
+                events.emit("paused", phase="quorum", step=trainer.global_step)
+                self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+            return answer
+
+        client._quorum = pausing_quorum
 
     def _pause_heal_sends(self, trainer: pl.Trainer) -> None:
         """The HTTP transport's handler thread streams the state with ``_streaming_save``: wrap it while the gate
