@@ -59,7 +59,10 @@ class RegressionModel(pl.LightningModule):
 
 
 class SyntheticData(pl.LightningDataModule):
-    """A fixed random regression task: y = sin(x · w). Every group builds the same data and reads its own shard."""
+    """A fixed random regression task: y = sin(x · w), with x · w of standard deviation about 1.4, so that the MLP
+    learns it within a few hundred steps (the loss falls from about 0.5 to under 0.01): the loss curve of a run, and of
+    ``lightning-ft report``, shows training go on across a kill. Every group builds the same data and reads its own
+    shard."""
 
     def __init__(self, size: int = 65536, batch_size: int = 32) -> None:
         super().__init__()
@@ -68,7 +71,7 @@ class SyntheticData(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(self.size, 32, generator=generator)
-        w = torch.randn(32, 1, generator=generator)
+        w = torch.randn(32, 1, generator=generator) / 4
         self.data = TensorDataset(x, torch.sin(x @ w))
 
     def train_dataloader(self) -> DataLoader:

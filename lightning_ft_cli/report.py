@@ -71,6 +71,32 @@ def summary(timeline: Timeline) -> str:
     return "\n".join(lines)
 
 
+def headline(timeline: Timeline) -> str:
+    """The picture's title line: the job in counts. Deaths and uncommitted steps are counted apart (one death
+    usually costs its survivors an uncommitted step too), and a heal at step 0 is the initial sync of a group that
+    started after another, not a recovery."""
+    marks = [m for g in timeline.groups.values() for m in g.failures]
+    count = {kind: sum(m.kind == kind for m in marks) for kind in ("died", "uncommitted", "skipped")}
+    heals = [m for g in timeline.groups.values() for m in g.heals]
+    recoveries = sum(h.step > 0 for h in heals)
+    parts = [
+        f"{timeline.num_replica_groups} replica groups",
+        _plural(timeline.committed_steps, "committed step"),
+        _plural(count["died"], "process death"),
+        _plural(count["uncommitted"], "uncommitted step"),
+    ]
+    if count["skipped"]:
+        parts.append(_plural(count["skipped"], "skipped step"))
+    parts.append(_plural(recoveries, "heal"))
+    if len(heals) > recoveries:
+        parts.append(_plural(len(heals) - recoveries, "initial sync"))
+    return ", ".join(parts)
+
+
+def _plural(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def _matplotlib_figure() -> Any:
     try:
         from matplotlib.figure import Figure
@@ -125,9 +151,7 @@ def render(timeline: Timeline, output: Path, title: str = "") -> None:
         loss.legend(loc="upper right", fontsize="small")
     else:
         loss.text(0.5, 0.5, "no loss in the event log", transform=loss.transAxes, ha="center", va="center")
-    heals = sum(len(g.heals) for g in timeline.groups.values())
-    failures = sum(len(g.failures) for g in timeline.groups.values())
-    counts = f"{top} replica groups, {timeline.committed_steps} committed steps, {heals} heals, {failures} failures"
+    counts = headline(timeline)
     figure.suptitle(f"{title}\n{counts}" if title else counts)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)

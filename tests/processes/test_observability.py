@@ -242,9 +242,35 @@ def test_the_timeline_finds_heals_skips_and_deaths(tmp_path):
     assert [(m.kind, m.step) for m in group1.failures] == [("died", 3)]  # at the job's step when it went quiet
     assert [(m.kind, m.step, m.detail) for m in group1.heals] == [("heal", 5, "0.25 s")]
     assert group0.participants_at(5.5) == 1 and group1.processes == 2
+    assert report.headline(timeline) == (
+        "2 replica groups, 6 committed steps, 1 process death, 0 uncommitted steps, 1 skipped step, 1 heal"
+    )
     (tmp_path / "empty").mkdir()
     with pytest.raises(NoEventLogError, match="no event log"):
         load_timeline(tmp_path / "empty")
+
+
+def test_the_headline_counts_a_death_and_its_lost_step_apart_and_no_initial_sync_as_a_heal(tmp_path):
+    """Two kills: each costs the survivor an uncommitted step; the late starter's step-0 sync is no heal."""
+    step = lambda t, pid, s, ok=True: {"event": "step", "time": t, "pid": pid, "step": s, "committed": ok,  # noqa: E731
+                                       "participants": 2}  # fmt: skip
+    write_log(tmp_path, 0, [
+        {"event": "started", "time": 0.0, "pid": 10, "attempt": 0, "replica_groups": 2},
+        step(1.0, 10, 1), step(2.0, 10, 1, ok=False), step(3.0, 10, 2), step(4.0, 10, 2, ok=False), step(5.0, 10, 3),
+        {"event": "finished", "time": 9.0, "pid": 10, "step": 3},
+    ])  # fmt: skip
+    write_log(tmp_path, 1, [
+        {"event": "started", "time": 0.5, "pid": 20, "attempt": 0, "replica_groups": 2},
+        {"event": "healed", "time": 0.9, "pid": 20, "step": 0, "seconds": 0.1},
+        {"event": "started", "time": 2.5, "pid": 21, "attempt": 1, "replica_groups": 2},
+        {"event": "healed", "time": 2.9, "pid": 21, "step": 2, "seconds": 0.1},
+        {"event": "started", "time": 4.5, "pid": 22, "attempt": 2, "replica_groups": 2},
+        {"event": "healed", "time": 4.9, "pid": 22, "step": 3, "seconds": 0.1},
+        {"event": "finished", "time": 9.0, "pid": 22, "step": 3},
+    ])  # fmt: skip
+    assert report.headline(load_timeline(tmp_path)) == (
+        "2 replica groups, 3 committed steps, 2 process deaths, 2 uncommitted steps, 2 heals, 1 initial sync"
+    )
 
 
 def test_report_draws_a_png_and_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
