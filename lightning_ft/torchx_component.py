@@ -20,7 +20,8 @@ The roles:
 * ``group0`` .. ``group{N-1}``: ``python -m lightning_ft_job.torchrun_agent --standalone --nproc-per-node K
   --max-restarts R SCRIPT ARGS`` (torchrun's agent: :mod:`lightning_ft_job.torchrun_agent`) with
   ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-  (restarted Gloo workers cannot reconnect without it, pytorch issue 135712).
+  (restarted Gloo workers cannot reconnect without it, pytorch issue 135712), and ``LIGHTNING_FT_RUN_ID``, the
+  torchx app id (one event log directory for the whole run).
   One host per group; a group spanning several hosts is a torchrun rendezvous of its own (``docs/operations.md``).
 
 Where the groups find the lighthouse: ``lighthouse`` (a URL) when the job should join a lighthouse that runs as a
@@ -35,6 +36,7 @@ from typing import Dict, List, Optional
 
 from torchx import specs
 
+from lightning_ft_job.events import ENV_RUN_ID
 from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
 LIGHTHOUSE_ROLE = "lighthouse"
@@ -108,7 +110,9 @@ def ft_job(
                 image=image,
                 entrypoint="python",
                 args=[*torchrun_arguments(nproc_per_group, max_restarts), script, *script_args],
-                env={**(env or {}), **group_variables(group, replica_groups, url)},
+                # One run id for every group (torchrun --standalone gives each group its own): one event log
+                # directory per run (lightning_ft_job.events); torchx substitutes the app's id at run time.
+                env={ENV_RUN_ID: specs.macros.app_id, **(env or {}), **group_variables(group, replica_groups, url)},
                 resource=specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB),
             )
         )

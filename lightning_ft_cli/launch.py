@@ -26,7 +26,7 @@ from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft_cli.processes import children_of, terminate_with_parent
 from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
-from lightning_ft_job.events import ENV_EVENTS_DIR
+from lightning_ft_job.events import ENV_EVENTS_DIR, ENV_RUN_ID, new_run_id
 from lightning_ft_job.lighthouse_server import (
     LOCAL_HEARTBEAT_TIMEOUT_MS,
     LOCAL_JOIN_TIMEOUT_MS,
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--events-dir",
         default=None,
         help=f"write every group's JSONL event log here (sets {ENV_EVENTS_DIR}; default: each group's "
-        f"<default_root_dir>/ft_events)",
+        f"<default_root_dir>/ft_events/<run id>)",
     )
     parser.add_argument(
         "--finish-grace",
@@ -138,10 +138,17 @@ def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) ->
 
 
 def group_environment(
-    group_id: int, num_groups: int, lighthouse: str, events_dir: str | None, start_timeout: float | None = None
+    group_id: int,
+    num_groups: int,
+    lighthouse: str,
+    events_dir: str | None,
+    start_timeout: float | None = None,
+    run_id: str | None = None,
 ) -> dict[str, str]:
     env = dict(os.environ)
     env.update(group_variables(group_id, num_groups, lighthouse))
+    if run_id is not None:  # one run id for every group and restart: one event directory per run
+        env[ENV_RUN_ID] = run_id
     if start_timeout is not None:
         env[ENV_START_TIMEOUT] = f"{start_timeout:g}"
     # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
@@ -315,7 +322,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         url = lighthouse.address
     started = "" if args.group_ids is None else f", starting group(s) {','.join(map(str, group_ids))} here"
-    print(f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s){started}", flush=True)
+    run_id = os.environ.get(ENV_RUN_ID) or new_run_id()
+    print(
+        f"lightning-ft launch: lighthouse {url}, {args.replica_groups} replica group(s){started}, run {run_id}",
+        flush=True,
+    )
     print(f"lightning-ft launch: {status_page_line(url)}", flush=True)
     if args.events_dir is not None:
         print(
@@ -338,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         for group_id in group_ids:
             process = subprocess.Popen(
                 torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
-                env=group_environment(group_id, args.replica_groups, url, events_dir, args.start_timeout),
+                env=group_environment(group_id, args.replica_groups, url, events_dir, args.start_timeout, run_id),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -375,6 +386,11 @@ def run(args: argparse.Namespace) -> int:
             lighthouse.shutdown()
         if scratch_events is not None:
             shutil.rmtree(scratch_events, ignore_errors=True)
+            print(
+                "lightning-ft launch: the chaos rehearsal's event log was temporary and is deleted; pass --events-dir "
+                "DIR to keep it and draw it with `lightning-ft report DIR`",
+                flush=True,
+            )
 
     if stop.is_set():
         print("lightning-ft launch: stopped on request; every group was shut down", flush=True)

@@ -34,15 +34,16 @@ class MissingMatplotlibError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run_dir",
-        help="the Trainer's default_root_dir or a logger's log directory (its event logs are found below it, or in "
-        "the ft_events directory of a parent), or an events directory (launch --events-dir)",
+        help="a logger's log directory (draws that run), an events directory (launch --events-dir), or the Trainer's "
+        "default_root_dir or its checkpoint directory (draws the newest run of its ft_events, or --run)",
     )
     parser.add_argument("-o", "--output", default="timeline.png", help="PNG file to write (default: %(default)s)")
+    parser.add_argument("--run", default=None, help="the run to draw, by its directory's name under ft_events")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        timeline = load_timeline(args.run_dir)
+        timeline = load_timeline(args.run_dir, getattr(args, "run", None))
     except NoEventLogError as error:
         print(f"lightning-ft report: {error}", file=sys.stderr)
         return 2
@@ -59,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 def summary(timeline: Timeline) -> str:
     """A few lines per group: what the picture shows, for a terminal or a CI log."""
     lines = [f"event logs: {', '.join(str(source) for source in timeline.sources)}"]
+    if timeline.other_runs:
+        lines.append(
+            f"({len(timeline.other_runs) + 1} runs there; --run NAME draws another: {', '.join(timeline.other_runs)})"
+        )
     for group, data in timeline.groups.items():
         committed = [p for p in data.points if p.committed]
         heals = ", ".join(f"step {h.step}" + (f" ({h.detail})" if h.detail else "") for h in data.heals) or "none"

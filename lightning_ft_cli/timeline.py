@@ -10,12 +10,13 @@ own).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_ft_job.events import DEFAULT_SUBDIR, FILE_PATTERN, read_events
+from lightning_ft_job.events import DEFAULT_SUBDIR, FILE_PATTERN, RUN_POINTER, read_events
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Timeline:
     groups: dict[int, GroupTimeline]
     start: float  # the earliest event, the origin of the time axis
     num_replica_groups: int
+    other_runs: list[str] = field(default_factory=list)  # runs found beside the one drawn (``--run`` picks one)
 
     @property
     def committed_steps(self) -> int:
@@ -79,36 +81,102 @@ class Timeline:
 
 
 class NoEventLogError(FileNotFoundError):
-    """No event log under the given directory."""
+    """No event log under the given directory, or not the run asked for."""
 
 
-def find_event_files(run_dir: str | Path) -> list[Path]:
-    """The event files of a run: every ``group*.rank*.jsonl`` under ``run_dir``, at any depth. When there is none
-    (``run_dir`` is a logger's version directory, below the run's root), the ``ft_events`` directory of the nearest
-    ancestor that has one."""
+@dataclass(frozen=True)
+class FoundRun:
+    """The event directory of the run to draw, and every run found beside it (for the report to name)."""
+
+    directory: Path
+    runs: list[Path]
+
+
+def _has_events(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.glob(FILE_PATTERN))
+
+
+def _runs_of_events_root(events_root: Path) -> list[Path]:
+    """The runs under an ``ft_events`` directory: each subdirectory with event files (one per run), and the directory
+    itself if it holds files of its own (the layout before per-run directories)."""
+    if not events_root.is_dir():
+        return []
+    runs = [events_root] if _has_events(events_root) else []
+    return runs + sorted(d for d in events_root.iterdir() if _has_events(d))
+
+
+def _runs_below(root: Path) -> list[Path]:
+    """The runs in or just below ``root``: ``root`` itself when it holds event files (a run's directory,
+    ``launch --events-dir``); else its subdirectories that do, and the runs of its ``ft_events``."""
+    if _has_events(root):
+        return [root]
+    runs = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name != DEFAULT_SUBDIR and _has_events(d)]
+    return runs + _runs_of_events_root(root / DEFAULT_SUBDIR)
+
+
+def _pointed_run(place: Path) -> Path | None:
+    """The run a logger's log directory points at (:data:`lightning_ft_job.events.RUN_POINTER`), if it does."""
+    pointer = place / RUN_POINTER
+    if not pointer.is_file():
+        return None
+    try:
+        record = json.loads(pointer.read_text())
+    except (OSError, ValueError):
+        return None
+    candidates = [place / record["relative"]] if record.get("relative") else []
+    candidates += [Path(record["events_dir"])] if record.get("events_dir") else []
+    return next((candidate.resolve() for candidate in candidates if _has_events(candidate)), None)
+
+
+def _newest(runs: list[Path]) -> Path:
+    return max(runs, key=lambda run: max(f.stat().st_mtime for f in run.glob(FILE_PATTERN)))
+
+
+def find_run(run_dir: str | Path, run: str | None = None) -> FoundRun:
+    """The one run to draw for ``run_dir``, never several mixed:
+
+    * a logger's log directory (or a directory below it, such as its checkpoints) names its run, through the pointer
+      the run left there;
+    * an events directory is its own run;
+    * the Trainer's ``default_root_dir`` (or its checkpoint directory, below it) holds one run per directory of its
+      ``ft_events``: the newest is drawn, or the one named ``run``.
+    """
     root = Path(run_dir)
     if not root.is_dir():
         raise NoEventLogError(f"{root} is not a directory")
-    files = sorted(root.rglob(FILE_PATTERN))
-    if files:
-        return files
-    for ancestor in root.resolve().parents:
-        files = sorted((ancestor / DEFAULT_SUBDIR).glob(FILE_PATTERN))
-        if files:
-            return files
+    for depth, place in enumerate([root, *root.resolve().parents]):
+        pointed = None if run is not None else _pointed_run(place)
+        if pointed is not None:
+            return FoundRun(pointed, [pointed])
+        runs = _runs_below(place) if depth == 0 else _runs_of_events_root(place / DEFAULT_SUBDIR)
+        if not runs:
+            continue
+        if run is None:
+            return FoundRun(_newest(runs), runs)
+        named = [candidate for candidate in runs if candidate.name == run]
+        if not named:
+            names = ", ".join(candidate.name for candidate in runs)
+            raise NoEventLogError(f"no run named {run!r} in {place}; its runs: {names}")
+        return FoundRun(named[0], runs)
     raise NoEventLogError(
-        f"no event log ({DEFAULT_SUBDIR}/{FILE_PATTERN}) under {root} or next to any of its parents. FTStrategy writes "
-        f"it under the Trainer's default_root_dir, or where LIGHTNING_FT_EVENTS_DIR points."
+        f"no event log ({DEFAULT_SUBDIR}/<run>/{FILE_PATTERN}) in or below {root}, nor in the {DEFAULT_SUBDIR} of any "
+        f"of its parents. FTStrategy writes it under the Trainer's default_root_dir, or where LIGHTNING_FT_EVENTS_DIR "
+        f"points."
     )
 
 
-def load_timeline(run_dir: str | Path) -> Timeline:
-    """Read a run's event logs (see :func:`find_event_files`) into one timeline per replica group."""
-    files = find_event_files(run_dir)
-    records = [r for directory in sorted({f.parent for f in files}) for r in read_events(directory)]  # sorted below
+def find_event_files(run_dir: str | Path, run: str | None = None) -> list[Path]:
+    """The event files of the run :func:`find_run` picks."""
+    return sorted(find_run(run_dir, run).directory.glob(FILE_PATTERN))
+
+
+def load_timeline(run_dir: str | Path, run: str | None = None) -> Timeline:
+    """Read one run's event logs (see :func:`find_run`) into one timeline per replica group."""
+    found = find_run(run_dir, run)
+    records = read_events(found.directory)  # sorted below
     records = [r for r in records if r.get("rank") == 0 and "group" in r]
     if not records:
-        raise NoEventLogError(f"the event logs in {sorted({str(f.parent) for f in files})} have no rank-0 events")
+        raise NoEventLogError(f"the event log in {found.directory} has no rank-0 events")
     records.sort(key=lambda r: r["time"])
     by_group: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
@@ -117,8 +185,13 @@ def load_timeline(run_dir: str | Path) -> Timeline:
     _place_on_steps(groups)
     declared = [int(r["replica_groups"]) for r in records if r["event"] == "started" and "replica_groups" in r]
     num_groups = max([*declared, max(groups) + 1])
-    sources = sorted({f.parent for f in files})
-    return Timeline(sources=sources, groups=groups, start=records[0]["time"], num_replica_groups=num_groups)
+    return Timeline(
+        sources=[found.directory],
+        groups=groups,
+        start=records[0]["time"],
+        num_replica_groups=num_groups,
+        other_runs=[candidate.name for candidate in found.runs if candidate != found.directory],
+    )
 
 
 def _group_timeline(group: int, records: list[dict[str, Any]]) -> GroupTimeline:

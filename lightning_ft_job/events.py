@@ -2,11 +2,18 @@
 
 On by default. Each process appends to ``<dir>/group<G>.rank<R>.jsonl``, where ``<dir>`` is
 
-* ``LIGHTNING_FT_EVENTS_DIR`` when it is set (``lightning-ft launch --events-dir`` sets it); set but empty turns the
-  log off;
-* otherwise ``<Trainer.default_root_dir>/ft_events``: one directory for the whole job, the same for every replica group
-  and every restart. (Not the logger's version directory: each group, and each restart of a group, would number its
-  versions on its own, and one job's log would be scattered over ``version_0``, ``version_1``, ...)
+* ``LIGHTNING_FT_EVENTS_DIR`` when it is set (``lightning-ft launch --events-dir`` sets it): exactly that directory,
+  the caller's choice; set but empty turns the log off;
+* otherwise ``<Trainer.default_root_dir>/ft_events/<run id>``: one directory per run, the same for every replica group
+  and every restart of the run, and never a previous run's. The run id (:func:`run_id`) is ``LIGHTNING_FT_RUN_ID``
+  (``lightning-ft launch`` sets one per job; recipes that start groups elsewhere set their scheduler's job id), else
+  torchrun's run id (``--rdzv-id``, ``--standalone``: the same for every restart of one torchrun job), else a new id
+  per fit.
+
+(Not the logger's version directory itself: each restart of a group numbers its logger versions on its own, so one
+run's log would be scattered over ``version_0``, ``version_1``, ... Instead the process that owns the loggers, rank 0
+of group 0, leaves a pointer to the run's event directory in its log directory, :data:`RUN_POINTER`, which is how
+``lightning-ft report <the logger's directory>`` finds that run and no other.)
 
 What is recorded: each process's pid and restart attempt at start, every quorum change, each step's vote (with the
 loss), heals and how long they took, skipped and uncommitted steps, exceptions, and the end of training.
@@ -16,22 +23,45 @@ to kill and to check the outcome; ``lightning-ft report`` draws it; operators ca
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 ENV_EVENTS_DIR = "LIGHTNING_FT_EVENTS_DIR"
+ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
 DEFAULT_SUBDIR = "ft_events"
 FILE_PATTERN = "group*.rank*.jsonl"
+# Written into the loggers' log directory by the process that owns the loggers: where that run's event log is.
+RUN_POINTER = "ft_run.json"
 
 log = logging.getLogger(__name__)
 
 _sink: TextIO | None = None
 _context: dict[str, Any] = {}
 _requested = False
+_directory: Path | None = None
+_fits = itertools.count()
+
+
+def new_run_id() -> str:
+    """A fresh run id: the local time it was made (so that runs sort by name too) and a random suffix."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def run_id() -> str:
+    """The id of the run this process belongs to, the same in every group and restart of the run when the launcher
+    gives one: ``LIGHTNING_FT_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder
+    ``none``), else a new one for this fit."""
+    for variable in (ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(variable, "").strip()
+        if value and value != "none":
+            return value.replace(os.sep, "_")
+    return f"{new_run_id()}-{os.getpid()}-{next(_fits)}"
 
 
 def resolve_directory(default_root_dir: str | os.PathLike[str] | None) -> Path | None:
@@ -47,17 +77,18 @@ def resolve_directory(default_root_dir: str | os.PathLike[str] | None) -> Path |
     if "://" in str(default_root_dir):
         log.info("lightning-ft: no event log under the remote %s; set %s for one", default_root_dir, ENV_EVENTS_DIR)
         return None
-    return Path(default_root_dir) / DEFAULT_SUBDIR
+    return Path(default_root_dir) / DEFAULT_SUBDIR / run_id()
 
 
 def configure(replica_group_id: int, group_rank: int, default_root_dir: str | os.PathLike[str] | None = None) -> None:
     """Open this process's event file (closing a previous one), unless the event log is off."""
-    global _sink, _requested
+    global _sink, _requested, _directory
     directory = resolve_directory(default_root_dir)
     _requested = bool(os.environ.get(ENV_EVENTS_DIR))
     if _sink is not None:
         _sink.close()
         _sink = None
+    _directory = directory
     if directory is None:
         return
     directory.mkdir(parents=True, exist_ok=True)
@@ -73,6 +104,28 @@ def emit(event: str, **fields: Any) -> None:
         return
     record = {"event": event, "time": time.time(), **_context, **fields}
     _sink.write(json.dumps(record) + "\n")
+
+
+def current_directory() -> Path | None:
+    """This process's event directory, while the log is on."""
+    return _directory if _sink is not None else None
+
+
+def point_log_dir_at_run(log_dir: str | os.PathLike[str] | None) -> None:
+    """Leave :data:`RUN_POINTER` in a logger's ``log_dir``: this run's event directory (absolute, and relative to
+    ``log_dir`` for a tree that is moved as a whole). A no-op when the log is off or ``log_dir`` is remote."""
+    events_dir = current_directory()
+    if events_dir is None or log_dir is None or "://" in str(log_dir):
+        return
+    target = Path(log_dir)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        pointer = {"events_dir": str(events_dir.resolve()), "relative": os.path.relpath(events_dir.resolve(), target)}
+        partial = target / f".{RUN_POINTER}.partial"
+        partial.write_text(json.dumps(pointer) + "\n")
+        partial.replace(target / RUN_POINTER)
+    except OSError as error:  # the run trains on; only `lightning-ft report <log dir>` cannot find it
+        log.warning("lightning-ft: could not point %s at the event log %s: %s", log_dir, events_dir, error)
 
 
 def read_events(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:

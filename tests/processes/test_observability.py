@@ -31,7 +31,7 @@ from lightning_ft.manager.telemetry import FTTelemetry, TimedTransport
 from lightning_ft_cli import report
 from lightning_ft_cli.launch import status_page_line
 from lightning_ft_cli.timeline import NoEventLogError, load_timeline
-from lightning_ft_job.events import ENV_EVENTS_DIR, read_events, resolve_directory
+from lightning_ft_job.events import ENV_EVENTS_DIR, ENV_RUN_ID, RUN_POINTER, read_events, resolve_directory
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,8 +82,9 @@ class RejectOneStep(pl.Callback):
 @pytest.fixture
 def single_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica group with the embedded lighthouse, and the event log at its default location."""
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", ENV_EVENTS_DIR):
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", ENV_EVENTS_DIR, ENV_RUN_ID):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
 
 
 def fit(root: Path, *callbacks: pl.Callback, max_steps: int, **kwargs: Any) -> pl.Trainer:
@@ -143,8 +144,9 @@ def test_ft_metrics_reach_a_csv_logger_the_progress_bar_shows_replicas_and_the_r
     assert bar.shown and all(items["replicas"] == "1/1" and "v_num" in items for items in bar.shown)
     assert "get_metrics" not in vars(trainer.progress_bar_callback), "the wrapper outlived the fit"
 
-    # The event log, on by default, under the Trainer's default_root_dir.
-    records = read_events(tmp_path / "ft_events")
+    # The event log, on by default, in this run's own directory under the Trainer's default_root_dir.
+    [run_dir] = [d for d in (tmp_path / "ft_events").iterdir() if d.is_dir()]
+    records = read_events(run_dir)
     kinds = [r["event"] for r in records]
     assert kinds[0] == "started" and kinds[-1] == "finished"
     assert records[0]["replica_groups"] == 1
@@ -157,12 +159,34 @@ def test_ft_metrics_reach_a_csv_logger_the_progress_bar_shows_replicas_and_the_r
     assert all(r["committed"] and isinstance(r["loss"], float) for r in steps)
     assert "fingerprint" not in records[-1]  # a full pass over the state only when the log is asked for explicitly
 
-    # lightning-ft report, given the logger's log directory (below the root that holds ft_events).
+    # lightning-ft report, given the logger's log directory: the run it points at.
     output = tmp_path / "timeline.png"
     result = run_report(Path(trainer.log_dir), output)
     assert result.returncode == 0, result.stdout + result.stderr
     assert output.read_bytes().startswith(PNG_SIGNATURE) and output.stat().st_size > 10_000
     assert "group 0: 8 committed steps (up to 8), 0 uncommitted" in result.stdout
+    assert f"event logs: {run_dir.resolve()}" in result.stdout
+
+
+def test_a_second_run_in_the_same_directory_has_its_own_event_log_and_report_draws_one_run(tmp_path, single_group):
+    """Two fits with one default_root_dir and a CSVLogger (version_0, version_1): each run writes its own event
+    directory, the second leaves the first's files as they were, and the report draws one run: the one a logger's
+    directory points at, and the newest for the root."""
+    first = fit(tmp_path, max_steps=3, enable_progress_bar=False)
+    [first_run] = [d for d in (tmp_path / "ft_events").iterdir() if d.is_dir()]
+    before = {f.name: f.read_bytes() for f in first_run.iterdir()}
+    second = fit(tmp_path, max_steps=5, enable_progress_bar=False)
+    assert Path(first.log_dir).name == "version_0" and Path(second.log_dir).name == "version_1"
+    [second_run] = [d for d in (tmp_path / "ft_events").iterdir() if d.is_dir() and d != first_run]
+    assert {f.name: f.read_bytes() for f in first_run.iterdir()} == before, "the second run touched the first's log"
+    assert (Path(first.log_dir) / RUN_POINTER).is_file() and (Path(second.log_dir) / RUN_POINTER).is_file()
+    assert load_timeline(first.log_dir).committed_steps == 3
+    assert load_timeline(second.log_dir).committed_steps == 5
+    newest = load_timeline(tmp_path)
+    assert newest.sources == [second_run.resolve()] and newest.other_runs == [first_run.name]
+    assert load_timeline(tmp_path, run=first_run.name).committed_steps == 3
+    with pytest.raises(NoEventLogError, match="no run named 'nope'"):
+        load_timeline(tmp_path, run="nope")
 
 
 def test_an_uncommitted_step_is_counted_logged_and_recorded_with_its_error(tmp_path, single_group):
@@ -171,7 +195,8 @@ def test_an_uncommitted_step_is_counted_logged_and_recorded_with_its_error(tmp_p
     rows = ft_rows(trainer.log_dir)
     assert [row["ft/uncommitted_steps"] for row in rows] == [0, 0, 1, 1, 1]
     assert [row["ft/committed_steps"] for row in rows] == [1, 2, 2, 3, 4]
-    [uncommitted] = [r for r in read_events(tmp_path / "ft_events") if r["event"] == "step" and not r["committed"]]
+    [run_dir] = [d for d in (tmp_path / "ft_events").iterdir() if d.is_dir()]
+    [uncommitted] = [r for r in read_events(run_dir) if r["event"] == "step" and not r["committed"]]
     assert uncommitted["step"] == 2 and "injected: cross-group allreduce failed" in uncommitted["error"]
     [group] = load_timeline(tmp_path).groups.values()
     assert [(mark.kind, mark.step) for mark in group.failures] == [("uncommitted", 2)]
@@ -194,8 +219,16 @@ def test_the_monitor_logs_nothing_without_loggers_and_no_bar_is_needed(tmp_path,
 
 
 def test_the_event_log_location_env_var_wins_and_empty_turns_it_off(tmp_path, monkeypatch):
-    monkeypatch.delenv(ENV_EVENTS_DIR, raising=False)
-    assert resolve_directory(tmp_path) == tmp_path / "ft_events"
+    for name in (ENV_EVENTS_DIR, ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    one, another = resolve_directory(tmp_path), resolve_directory(tmp_path)
+    assert one.parent == another.parent == tmp_path / "ft_events" and one != another, "a new run id per fit"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's placeholder without --rdzv-id: not an id
+    assert resolve_directory(tmp_path).name != "none"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "f00d")  # the same for every restart of one torchrun job
+    assert resolve_directory(tmp_path) == tmp_path / "ft_events" / "f00d"
+    monkeypatch.setenv(ENV_RUN_ID, "20261126-job")  # the launcher's, the same for every group: it wins
+    assert resolve_directory(tmp_path) == tmp_path / "ft_events" / "20261126-job"
     assert resolve_directory("s3://bucket/run") is None  # appending line by line needs a local file
     monkeypatch.setenv(ENV_EVENTS_DIR, str(tmp_path / "elsewhere"))
     assert resolve_directory(tmp_path) == tmp_path / "elsewhere"
@@ -248,6 +281,21 @@ def test_the_timeline_finds_heals_skips_and_deaths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(NoEventLogError, match="no event log"):
         load_timeline(tmp_path / "empty")
+
+
+def test_a_checkpoint_directory_finds_the_newest_run_of_its_root_and_an_events_dir_is_its_own_run(tmp_path):
+    """``ft_events`` with an old run in the layout before per-run directories (files directly in it) and a newer run
+    directory: the root's checkpoint directory draws the newest; each is also drawn when named or given directly."""
+    events_root = tmp_path / "ft_events"
+    write_log(events_root, 0, [{"event": "started", "time": 0.0, "pid": 1, "attempt": 0}])
+    time.sleep(0.05)  # the newer run's files are newer
+    two_group_run(events_root / "20261126-101010-abc123")
+    (tmp_path / "checkpoints").mkdir()
+    newest = load_timeline(tmp_path / "checkpoints")
+    assert newest.sources == [events_root / "20261126-101010-abc123"] and newest.committed_steps == 6
+    assert newest.other_runs == ["ft_events"]
+    assert load_timeline(events_root / "20261126-101010-abc123").other_runs == []
+    assert load_timeline(tmp_path, run="ft_events").committed_steps == 0
 
 
 def test_the_headline_counts_a_death_and_its_lost_step_apart_and_no_initial_sync_as_a_heal(tmp_path):

@@ -43,6 +43,7 @@ def test_the_component_describes_a_lighthouse_and_one_torchrun_role_per_group():
     assert group.env["REPLICA_GROUP_ID"] == "2" and group.env["NUM_REPLICA_GROUPS"] == "3"
     assert group.env["TORCHFT_LIGHTHOUSE"] == "http://localhost:1234"
     assert group.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert group.env["LIGHTNING_FT_RUN_ID"] == "${app_id}", "every group of the app in one run's event directory"
     external = ft_job(script="train.py", lighthouse="http://lh.internal:29510")
     assert [role.name for role in external.roles] == ["group0", "group1"]
     assert external.roles[0].env["TORCHFT_LIGHTHOUSE"] == "http://lh.internal:29510"
