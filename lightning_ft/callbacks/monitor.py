@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from torch import Tensor
 from typing_extensions import override
 
@@ -66,6 +66,11 @@ class FaultToleranceMonitor(Callback):
     instance for the duration of the run, so TQDM, Rich and a user's own progress bar all show it, and a user's own
     ``get_metrics`` override keeps working. Every group's rank 0 shows its own bar.
 
+    Lightning's own bars (TQDM and Rich) count the epoch's *committed* batches: a batch whose step did not commit
+    (a failed vote, a skipped non-finite step) is one Lightning ran but the job did not take, and Lightning's count
+    would otherwise end past its total (``401/400``). (Semi-synchronous training commits per sync, not per batch:
+    its bar counts batches as usual.)
+
     **Exceptions.** An exception that ends the run is recorded as an ``exception`` event (its type, message and the
     committed step), for ``lightning-ft report``.
 
@@ -86,6 +91,8 @@ class FaultToleranceMonitor(Callback):
         self._patches.undo()
         if self.progress_bar and bar is not None:
             self._show_replicas(bar)
+        if isinstance(bar, (TQDMProgressBar, RichProgressBar)) and not _semi_sync(trainer):
+            self._count_committed_batches(bar)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -102,6 +109,34 @@ class FaultToleranceMonitor(Callback):
             return with_replicas
 
         self._patches.wrap(bar, "get_metrics", make)
+
+    def _count_committed_batches(self, bar: ProgressBar) -> None:
+        """Hand the bar the batch index less this epoch's uncommitted steps (counted in this process)."""
+        uncommitted_at_epoch_start = 0
+
+        def uncommitted() -> int:
+            telemetry = ft_telemetry(bar.trainer) if has_ft_manager(bar.trainer) else None
+            return telemetry.uncommitted_steps if telemetry is not None else 0
+
+        def make_epoch_start(on_train_epoch_start: Callable[..., Any]) -> Callable[..., Any]:
+            def remembering(*args: Any, **kwargs: Any) -> Any:
+                nonlocal uncommitted_at_epoch_start
+                uncommitted_at_epoch_start = uncommitted()
+                return on_train_epoch_start(*args, **kwargs)
+
+            return remembering
+
+        def make_batch_end(on_train_batch_end: Callable[..., Any]) -> Callable[..., Any]:
+            def committed_only(
+                trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+            ) -> Any:
+                lost = uncommitted() - uncommitted_at_epoch_start
+                return on_train_batch_end(trainer, pl_module, outputs, batch, max(batch_idx - lost, 0))
+
+            return committed_only
+
+        self._patches.wrap(bar, "on_train_epoch_start", make_epoch_start)
+        self._patches.wrap(bar, "on_train_batch_end", make_batch_end)
 
     # ------------------------------------------------------------------ metrics
     @override
@@ -152,3 +187,8 @@ class FaultToleranceMonitor(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         step = ft_manager(trainer).current_step() if has_ft_manager(trainer) else None
         events.emit("exception", step=step, type=type(exception).__name__, message=str(exception)[:1000])
+
+
+def _semi_sync(trainer: pl.Trainer) -> bool:
+    algorithm = getattr(trainer.strategy, "algorithm", None)
+    return bool(getattr(algorithm, "semi_sync", False))

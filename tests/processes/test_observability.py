@@ -202,6 +202,27 @@ def test_an_uncommitted_step_is_counted_logged_and_recorded_with_its_error(tmp_p
     assert [(mark.kind, mark.step) for mark in group.failures] == [("uncommitted", 2)]
 
 
+@pytest.mark.parametrize("bar_kind", ["tqdm", "rich"])
+def test_the_progress_bar_counts_committed_batches_and_ends_at_its_total(tmp_path, single_group, bar_kind):
+    """Batch 2's step does not commit: Lightning runs 5 batches for 4 steps. The bar ends at 4/4, not 5/4."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    class FinalCount(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            bar = trainer.progress_bar_callback
+            if isinstance(bar, RichProgressBar):
+                task = bar.progress.tasks[bar.train_progress_bar_id]
+                self.count = (task.completed, task.total)
+            else:
+                self.count = (bar.train_progress_bar.n, bar.train_progress_bar.total)
+
+    final = FinalCount()
+    bar = RichProgressBar() if bar_kind == "rich" else TQDMProgressBar()
+    trainer = fit(tmp_path, RejectOneStep(index=2), bar, final, max_steps=4, logger=False)
+    assert trainer.global_step == 4 and trainer.fit_loop.epoch_loop.batch_idx == 4  # 5 batches ran
+    assert final.count == (4, 4)
+
+
 def test_the_rich_progress_bar_shows_replicas_too(tmp_path, single_group):
     from lightning.pytorch.callbacks import RichProgressBar  # rich is in the test extra: this always runs
 
