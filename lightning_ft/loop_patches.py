@@ -9,6 +9,7 @@ strategy and the callbacks use the same mechanism, :class:`LoopPatches`:
   stays inside the group (a restarted group asks when its peers do not);
 * :func:`sync_metrics_across_groups`: torchmetrics objects sync over every participating replica;
 * :func:`name_checkpoints_alike`: ``ModelCheckpoint`` names a checkpoint the same in every group;
+* :func:`summarize_the_model_once`: the model summary is printed once per job, not once per group;
 * the resume of :mod:`lightning_ft.start.lifecycle`, the exactly-once training loader
   (:mod:`lightning_ft.data.exactly_once_training`), the data position's epoch start and the progress bar's
   ``replicas P/N`` (:mod:`lightning_ft.callbacks`).
@@ -21,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.protocol import StepProtocol
@@ -103,6 +105,19 @@ def sync_metrics_across_groups(patches: LoopPatches, module: pl.LightningModule,
     for metric in module.modules():
         if isinstance(metric, Metric) and metric.dist_sync_fn is None and metric.process_group is None:
             patches.assign(metric, "dist_sync_fn", all_gather)
+
+
+def summarize_the_model_once(patches: LoopPatches, trainer: pl.Trainer) -> None:
+    """Silence ``ModelSummary`` (and ``RichModelSummary``) outside the job's rank 0.
+
+    They print from ``trainer.is_global_zero``, which is true in every group's rank 0 (ranks stay group-local); every
+    group would print the same table. Lightning's other rank-zero output already follows the job-wide rank.
+    """
+    if rank_zero_only.rank == 0:
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelSummary):
+            patches.assign(callback, "on_fit_start", lambda *args, **kwargs: None)
 
 
 def name_checkpoints_alike(trainer: pl.Trainer) -> None:

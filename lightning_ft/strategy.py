@@ -358,6 +358,7 @@ class FTStrategy(ShardedGroupHooks):
             else:
                 loop_patches.gate_step_lr_schedulers(self._patches, trainer, self.step_protocol)
             loop_patches.name_checkpoints_alike(trainer)
+            loop_patches.summarize_the_model_once(self._patches, trainer)
             if self.data_mode == "exactly_once":
                 self._exactly_once.prepare(trainer, self._patches)
         if self._collectives is not None:

@@ -91,6 +91,10 @@ def stop_serving(server: ThreadingHTTPServer) -> None:
         stopper.join(timeout=0.01)
 
 
+def _no_access_log(handler: object, code: object = "-", size: object = "-") -> None:
+    """``BaseHTTPRequestHandler.log_request`` without the line."""
+
+
 class _ThreadingServer(ThreadingHTTPServer):
     request_queue_size = 1024  # as torchft's: every rank of every healing group may ask at once
 
@@ -108,6 +112,9 @@ class CheckpointHTTPTransport(HTTPTransport):
             )
         self._advertised = url_host(hostname)  # before torchft's constructor, which logs address()
         super().__init__(timeout=timeout, num_chunks=num_chunks)
+        # http.server prints one access line per request to stderr (`"GET /checkpoint/0/full" 200`) in the serving
+        # group's output; the `healed` line of the group that fetched says what happened. Errors are still printed.
+        self._server.RequestHandlerClass.log_request = _no_access_log
         if is_loopback(hostname):
             self._rebind(numeric_host(hostname))
 
