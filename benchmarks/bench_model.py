@@ -35,6 +35,7 @@ class ModelSize:
 
 
 SIZES = {
+    "tiny": ModelSize(width=64, hidden=128, blocks=1, batch_size=16),  # cross-group costs dominate (scale.py)
     "1m": ModelSize(width=512, hidden=1024, blocks=1, batch_size=64),
     "50m": ModelSize(width=1024, hidden=4096, blocks=6, batch_size=32),
 }

@@ -1,6 +1,6 @@
 """One process of an overhead benchmark run (started by ``benchmarks/overhead.py``; not meant to be run by hand).
 
-``--mode ddp``: one of 2 ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun --nproc-per-node 2``.
+``--mode ddp``: one of ``--processes`` (2) ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun``.
 ``--mode ft``: one replica group of 1 process with ``FTStrategy`` (its defaults, or ``--ft-args``), under
 ``lightning-ft launch``.
 ``--mode torchft``: one replica group of raw torchft without Lightning, the torchft README's loop: ``torchft.Manager``,
@@ -63,7 +63,7 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
 
     if args.mode == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo", **json.loads(args.ddp_args))
-        devices, world = 2, 2
+        devices = world = args.processes
     else:
         strategy = FTStrategy(**json.loads(args.ft_args))
         devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--processes", type=int, default=2, help="--mode ddp: the torchrun world's size")
     parser.add_argument("--ft-args", default="{}", help="--mode ft: FTStrategy keyword arguments, as JSON")
     parser.add_argument("--ddp-args", default="{}", help="--mode ddp: more DDPStrategy keyword arguments, as JSON")
     args = parser.parse_args()
