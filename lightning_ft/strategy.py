@@ -339,14 +339,6 @@ class FTStrategy(ShardedGroupHooks):
         return step, trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
     @override
-    def on_train_start(self) -> None:
-        """The job's logger owner (rank 0 of group 0) leaves a pointer to the run's event log in its logger's
-        directory, once the logger has made it (:func:`lightning_ft_job.events.point_log_dir_at_run`)."""
-        super().on_train_start()
-        if rank_zero_only.rank == 0:
-            events.point_log_dir_at_run(_logger_directory(self.lightning_module.trainer))
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.data_parallel.sharded:
             self._setup_sharded(trainer)
@@ -499,14 +491,3 @@ class FTStrategy(ShardedGroupHooks):
             self._handle = None
             self._protocol = None
             self._telemetry = None
-
-
-def _logger_directory(trainer: pl.Trainer) -> str | None:
-    """The first logger's local directory (``log_dir``, the versioned one, else ``save_dir``), read directly:
-    ``Trainer.log_dir`` broadcasts inside the group, which only rank 0 reaches here."""
-    if not trainer.loggers:
-        return None
-    logger = trainer.loggers[0]
-    _ = logger.experiment  # made now if not yet: a logger warns when its new directory already holds a file
-    directory = getattr(logger, "log_dir", None) or logger.save_dir
-    return None if directory is None else str(directory)

@@ -1,4 +1,5 @@
-"""The ``ft/`` metrics for the Trainer's loggers, ``replicas P/N`` in the progress bar, exceptions in the event log."""
+"""The ``ft/`` metrics for the Trainer's loggers, ``replicas P/N`` in the progress bar, exceptions in the event log,
+and the loggers' pointer to the run's event log."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
@@ -93,6 +95,14 @@ class FaultToleranceMonitor(Callback):
             self._show_replicas(bar)
         if isinstance(bar, (TQDMProgressBar, RichProgressBar)) and not _semi_sync(trainer):
             self._count_committed_batches(bar)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The job's logger owner (rank 0 of group 0) leaves a pointer to the run's event log in its logger's
+        directory, once the logger has made it (:func:`lightning_ft_job.events.point_log_dir_at_run`): what
+        ``lightning-ft report <the logger's directory>`` follows."""
+        if rank_zero_only.rank == 0 and has_ft_manager(trainer):
+            events.point_log_dir_at_run(_logger_directory(trainer))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -192,3 +202,14 @@ class FaultToleranceMonitor(Callback):
 def _semi_sync(trainer: pl.Trainer) -> bool:
     algorithm = getattr(trainer.strategy, "algorithm", None)
     return bool(getattr(algorithm, "semi_sync", False))
+
+
+def _logger_directory(trainer: pl.Trainer) -> str | None:
+    """The first logger's local directory (``log_dir``, the versioned one, else ``save_dir``), read directly:
+    ``Trainer.log_dir`` broadcasts inside the group, which only rank 0 reaches here."""
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    _ = logger.experiment  # made now if not yet: a logger warns when its new directory already holds a file
+    directory = getattr(logger, "log_dir", None) or logger.save_dir
+    return None if directory is None else str(directory)
