@@ -31,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=CLUSTER_HEARTBEAT_TIMEOUT_MS,
         help="declare a group dead after this long without a heartbeat (default: %(default)s)",
     )
-    parser.add_argument("--quorum-tick-ms", type=int, default=None, help="how often to re-check for a quorum while waiting for stragglers (default: torchft's, 100)")
+    parser.add_argument(
+        "--quorum-tick-ms",
+        type=int,
+        default=None,
+        help="how often to re-check for a quorum while waiting for stragglers (default: torchft's, 100)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
