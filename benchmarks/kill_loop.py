@@ -20,6 +20,7 @@ test harness (``tests/processes/harness.py``). Usage::
 
     python benchmarks/kill_loop.py --kills 27        # about 5 minutes on 2 cores
     python benchmarks/kill_loop.py --path diloco --where mixed --kills 30 --out results/kill_loop_diloco.json
+    python benchmarks/kill_loop.py --report results/kill_loop_r2_*.json    # the table of kept runs
 """
 
 from __future__ import annotations
@@ -161,6 +162,25 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def report(paths: list[Path], bound: float) -> None:
+    """A markdown table of kept runs: per path, and per kill point, the survivors' longest waits."""
+    print("| path | kill point | kills | median | p99 | max | over the bound |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for path in paths:
+        result = json.loads(path.read_text())
+        kills = result["kills"]
+        for where in ["all", *WHERE]:
+            worst = [max(k["delays_s"]) for k in kills if where in ("all", k["where"])]
+            if not worst:
+                continue
+            over = sum(w > bound for w in worst)
+            name = f"{result['path']} (`{path.name}`)" if where == "all" else ""
+            print(
+                f"| {name} | {where} | {len(worst)} | {statistics.median(worst):.2f} s | "
+                f"{percentile(worst, 0.99):.2f} s | {max(worst):.2f} s | {over} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=27)
@@ -171,7 +191,11 @@ def main() -> None:
     parser.add_argument("--kills-per-job", type=int, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS / "kill_loop.json")
     parser.add_argument("--keep", type=Path, default=None, help="run the job in this directory and keep its logs")
+    parser.add_argument("--report", type=Path, nargs="+", help="print the table of these kept results, run nothing")
     args = parser.parse_args()
+    if args.report:
+        report(args.report, args.bound)
+        return
     if args.keep is not None:
         records = run(args.kills, args.keep, args.path, args.where, args.seed, args.kills_per_job)
     else:
