@@ -303,7 +303,8 @@ class FTStrategy(ShardedGroupHooks):
         if trainer.state.fn not in _RUNS_A_MANAGER:
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
-        events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir)
+        run = self.broadcast(events.run_id())  # the group's ranks agree on rank 0's (Lightning's launcher sets none)
+        events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir, run)
         if fitting:  # before this group registers with the lighthouse
             self._lifecycle = GroupLifecycle(trainer, self.settings, self.global_rank, self.broadcast)
             self._lifecycle.exit_if_job_finished(trainer)

@@ -8,7 +8,8 @@ On by default. Each process appends to ``<dir>/group<G>.rank<R>.jsonl``, where `
   and every restart of the run, and never a previous run's. The run id (:func:`run_id`) is ``LIGHTNING_FT_RUN_ID``
   (``lightning-ft launch`` sets one per job; recipes that start groups elsewhere set their scheduler's job id), else
   torchrun's run id (``--rdzv-id``, ``--standalone``: the same for every restart of one torchrun job), else a new id
-  per fit.
+  per fit; the ranks of a group take their rank 0's (``FTStrategy`` broadcasts it: Lightning's own launcher of
+  several processes sets no run id).
 
 (Not the logger's version directory itself: each restart of a group numbers its logger versions on its own, so one
 run's log would be scattered over ``version_0``, ``version_1``, ... Instead the process that owns the loggers, rank 0
@@ -64,8 +65,9 @@ def run_id() -> str:
     return f"{new_run_id()}-{os.getpid()}-{next(_fits)}"
 
 
-def resolve_directory(default_root_dir: str | os.PathLike[str] | None) -> Path | None:
-    """Where this process's event log goes, or ``None`` when it is off (see the module docstring).
+def resolve_directory(default_root_dir: str | os.PathLike[str] | None, run: str | None = None) -> Path | None:
+    """Where this process's event log goes, or ``None`` when it is off (see the module docstring); ``run``: the run
+    id, when the caller has agreed on one with the other ranks of its group (else :func:`run_id`).
 
     A remote ``default_root_dir`` (``s3://...``) gets no event log: appending line by line needs a local file.
     """
@@ -77,13 +79,19 @@ def resolve_directory(default_root_dir: str | os.PathLike[str] | None) -> Path |
     if "://" in str(default_root_dir):
         log.info("lightning-ft: no event log under the remote %s; set %s for one", default_root_dir, ENV_EVENTS_DIR)
         return None
-    return Path(default_root_dir) / DEFAULT_SUBDIR / run_id()
+    return Path(default_root_dir) / DEFAULT_SUBDIR / (run or run_id())
 
 
-def configure(replica_group_id: int, group_rank: int, default_root_dir: str | os.PathLike[str] | None = None) -> None:
-    """Open this process's event file (closing a previous one), unless the event log is off."""
+def configure(
+    replica_group_id: int,
+    group_rank: int,
+    default_root_dir: str | os.PathLike[str] | None = None,
+    run: str | None = None,
+) -> None:
+    """Open this process's event file (closing a previous one), unless the event log is off. ``run``: as for
+    :func:`resolve_directory`."""
     global _sink, _requested, _directory
-    directory = resolve_directory(default_root_dir)
+    directory = resolve_directory(default_root_dir, run)
     _requested = bool(os.environ.get(ENV_EVENTS_DIR))
     if _sink is not None:
         _sink.close()
