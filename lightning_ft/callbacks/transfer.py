@@ -60,19 +60,19 @@ class StateTransferCallback(Callback):
             applied = time.monotonic() - started
             telemetry = ft_telemetry(trainer)
             heal = telemetry.healed(step, applied) if telemetry is not None else None
+            # At step 0 a group that started after another takes the job's initial state: no recovery.
+            what = "took the job's initial state from a live peer" if step == 0 else "healed from a live peer"
             if heal is not None and heal.receive_seconds is not None:
                 log.info(
-                    "lightning-ft: healed from a live peer at committed step %d in %.2f s (received in %.2f s, "
-                    "applied in %.2f s)",
+                    "lightning-ft: %s at committed step %d in %.2f s (received in %.2f s, applied in %.2f s)",
+                    what,
                     step,
                     heal.seconds,
                     heal.receive_seconds,
                     heal.apply_seconds,
                 )
             else:
-                log.info(
-                    "lightning-ft: healed from a live peer at committed step %d (applied in %.2f s)", step, applied
-                )
+                log.info("lightning-ft: %s at committed step %d (applied in %.2f s)", what, step, applied)
             events.emit(
                 "healed",
                 step=step,
