@@ -212,10 +212,12 @@ def test_exactly_once_data_in_groups_of_two_processes(launch):
     assert_exactly_once(committed_contributions(job), group_size=2)
 
 
+@pytest.mark.control
 @pytest.mark.timeout(420)
 def test_the_default_sharded_mode_skips_samples_under_the_same_membership_changes(tmp_path):
     """torchft documents its sampler as lossy; this shows it. While a group is dead or not yet there, nobody reads
-    its shard, and a group that heals continues its shard from its peer's batch index."""
+    its shard, and a group that heals continues its shard from its peer's batch index. The control run of the
+    exactly-once test above: its scenario does lose samples without exactly-once data (``make test-extra``)."""
     contributions = run_membership_changes(tmp_path / "job", "sharded")
 
     first_epoch = [i for record in contributions if record["epoch"] == 0 for i in record["ids"]]
