@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra lint format clean bench bench-semi-sync fault-matrix
+.PHONY: demo test test-extra lint format clean bench bench-semi-sync bench-zoo bench-scale fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,20 @@ bench: $(STAMP)
 bench-semi-sync: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/semi_sync.py $(ARGS)
+
+# The step-time zoo of docs/benchmarks.md section 6: 9 models x accumulation 1 and 4, 3 repetitions, about 36 minutes.
+bench-zoo: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python benchmarks/zoo.py $(ARGS)
+
+# Many groups (docs/benchmarks.md section 7): N = 2..16 real groups, kills at N = 4..16, 1,000 simulated groups
+# (about 25 minutes), then the plot of every kept run.
+bench-scale: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python benchmarks/scale_kills.py
+	$(BIN)/python benchmarks/lighthouse_scale.py
+	$(BIN)/python benchmarks/scale_plot.py
 
 # The fault test matrix with its measured figures (docs/reliability.md): about 10 minutes on 2 CPU cores.
 # ARGS="--soak" adds the 20-kill soak run.

@@ -36,7 +36,7 @@ from typing import Any
 os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every request at INFO: read when the module loads
 os.environ.setdefault("TOKIO_WORKER_THREADS", "2")
 
-from run_util import RESULTS, machine
+from run_util import machine, new_results_file
 from torchft._torchft import LighthouseClient
 
 CLIENTS = 16  # gRPC channels shared by the simulated groups (a request names its group: one channel serves many)
@@ -190,8 +190,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[10, 30, 100, 300, 1000])
     parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "lighthouse_scale.json")
+    parser.add_argument("--out", type=Path, help="a new file (default: results/lighthouse_scale_<UTC time>.json)")
     args = parser.parse_args()
+    args.out = new_results_file(args.out, "lighthouse_scale")  # every run is kept
     records = []
     for n in args.groups:
         record = measure(n, args.heartbeat_seconds)

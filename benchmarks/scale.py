@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from run_util import LIGHTNING_FT, RESULTS, machine, median, run_job
+from run_util import LIGHTNING_FT, machine, median, new_results_file, run_job
 
 STEPS = 200
 WARMUP = 40  # step intervals skipped: process start, the first heal, allocator warm-up
@@ -112,8 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    parser.add_argument("--out", type=Path, help="a new file (default: results/scale_<UTC time>.json)")
     args = parser.parse_args()
+    args.out = new_results_file(args.out, "scale")  # every run is kept
     runs = []
     with tempfile.TemporaryDirectory(prefix="lightning-ft-scale-") as scratch:
         for rep in range(args.repeats):

@@ -81,7 +81,8 @@ def resolve_configuration(
     else:
         _check_ddp_kwargs(find_unused_parameters, ddp_kwargs)
         ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
-    ddp_kwargs["find_unused_parameters"] = True  # (unused with FSDP, where no DDP wrapper exists)
+    # With False the DDP hook pins the bucket layout before the first step (step.gradient_hooks.pin_bucket_layout).
+    ddp_kwargs["find_unused_parameters"] = find_unused_parameters is not False or parallel.sharded
     chosen, async_quorum = resolve_algorithm(algorithm=algorithm, use_async_quorum=use_async_quorum, **semi_sync)
     return StrategyConfiguration(
         settings=resolve_settings(use_async_quorum=async_quorum, **arguments),
@@ -93,15 +94,8 @@ def resolve_configuration(
 
 
 def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
-    # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after a group's first
-    # step, so bucket i holds the same parameters in every group; a restarted group's first step would otherwise
-    # allreduce a different layout against its peers. torchft's own DDP wrapper forces it for the same reason.
-    if find_unused_parameters is not True:
-        raise FTConfigError(
-            "find_unused_parameters=False is not supported by FTStrategy: DDP would rebuild its gradient buckets "
-            "after a group's first step, so a restarted group's buckets would not line up with its peers'. "
-            "Remove the setting."
-        )
+    if not isinstance(find_unused_parameters, bool):
+        raise FTConfigError(f"find_unused_parameters={find_unused_parameters!r}: expected True or False.")
     for unsupported in _COMM_HOOK_KWARGS:
         if kwargs.get(unsupported) is not None:
             raise FTConfigError(f"{unsupported}: FTStrategy installs its own cross-group comm hook; remove it.")

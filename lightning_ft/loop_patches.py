@@ -18,7 +18,8 @@ strategy and the callbacks use the same mechanism, :class:`LoopPatches`:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -118,6 +119,29 @@ def summarize_the_model_once(patches: LoopPatches, trainer: pl.Trainer) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummary):
             patches.assign(callback, "on_fit_start", lambda *args, **kwargs: None)
+
+
+class _WithoutProcessGroupBanner(logging.Filter):
+    """Drops Lightning's "All distributed processes registered. Starting with N processes" banner (five lines)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "All distributed processes registered" not in record.getMessage()
+
+
+@contextmanager
+def without_process_group_banner() -> Iterator[None]:
+    """Around ``DDPStrategy.setup_distributed``: Lightning's banner counts the processes of one group's process group
+    ("Starting with 1 processes" in a job of many groups), which misleads more than it tells; the group's
+    ``Initializing distributed`` line stays."""
+    from lightning_utilities.core import rank_zero  # its ``log``: the logger Lightning's rank_zero_info writes to
+
+    logger = rank_zero.log
+    quiet = _WithoutProcessGroupBanner()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def name_checkpoints_alike(trainer: pl.Trainer) -> None:

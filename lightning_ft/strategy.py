@@ -107,7 +107,7 @@ class FTStrategy(ShardedGroupHooks):
         fsdp_cpu_offload: FSDP: keep sharded parameters, gradients and optimizer state in CPU memory.
         fsdp_reshard_after_forward: FSDP: FSDP2's ``reshard_after_forward``.
         gradient_as_bucket_view: DDP: torch DDP's ``gradient_as_bucket_view`` (on by default).
-        **kwargs: For ``DDPStrategy`` and torch's DDP (``find_unused_parameters`` is always ``True``).
+        **kwargs: For ``DDPStrategy`` and torch's DDP (``find_unused_parameters`` defaults to ``True`` here).
     """
 
     strategy_name = "ft"
@@ -329,7 +329,8 @@ class FTStrategy(ShardedGroupHooks):
         may be taken before this process, after its imports, binds it (EADDRINUSE, a wasted restart)."""
         if self.world_size == 1:
             os.environ["MASTER_PORT"] = "0"
-        super().setup_distributed()
+        with loop_patches.without_process_group_banner():
+            super().setup_distributed()
 
     def _section_position(self) -> tuple[int, int, int]:
         """Where this group is when it enters a sync section: committed step, epoch, batches read in this fit."""

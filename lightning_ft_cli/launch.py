@@ -94,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="also print torchft's per-quorum INFO lines (the embedded lighthouse's and the groups' Rust side); by "
-        "default they are off (RUST_LOG=warn), and a RUST_LOG you set wins either way",
+        help="also print torchft's per-quorum INFO lines (the embedded lighthouse's and the groups' Rust side), "
+        "torch's C++ warnings and Lightning's pytree FutureWarning; by default they are off (RUST_LOG=warn, "
+        "TORCH_CPP_LOG_LEVEL=ERROR), and a RUST_LOG or TORCH_CPP_LOG_LEVEL you set wins either way",
     )
     chaos = parser.add_argument_group("failure rehearsal (SIGKILL a random replica group, never all at once)")
     chaos.add_argument("--chaos-every", type=float, default=None, metavar="SECONDS", help="kill every SECONDS")
@@ -235,6 +236,9 @@ def _kill_session(leader: int) -> None:
             os.kill(leader, signal.SIGKILL)
 
 
+QUIET_WARNINGS = "ignore::FutureWarning:lightning.pytorch.utilities._pytree"
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -305,6 +309,11 @@ def run(args: argparse.Namespace) -> int:
     # quorum: one job of 100 steps printed hundreds. Read when the native module loads, so set before the lighthouse
     # starts; the groups inherit it (group_environment).
     os.environ.setdefault("RUST_LOG", "info" if args.verbose else "warn")
+    if not args.verbose:  # what every worker prints once and no user acts on; a setting of the user's wins
+        # torch's C++ warnings (DDP's note that find_unused_parameters=True found none unused, store retries)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # Lightning 2.6 on torch 2.13: "`isinstance(treespec, LeafSpec)` is deprecated" (later entries win)
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [QUIET_WARNINGS, os.environ.get("PYTHONWARNINGS")]))
     lighthouse = None
     url = args.lighthouse
     if url is None:

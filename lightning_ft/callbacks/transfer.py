@@ -79,6 +79,8 @@ class StateTransferCallback(Callback):
                 seconds=heal.seconds if heal is not None else applied,
                 receive_seconds=heal.receive_seconds if heal is not None else None,
                 apply_seconds=applied,
+                source_replica_rank=heal.source_replica_rank if heal is not None else None,
+                quorum_id=telemetry.quorum_id if telemetry is not None else None,
             )
 
         manager.register_state_dict_fn(STATE_KEY, load, save)

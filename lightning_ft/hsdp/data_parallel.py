@@ -37,7 +37,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 # DDPStrategy's own settings that still mean something when the group shards with FSDP2, and
-# find_unused_parameters, which FTStrategy fixes to True in every mode (LightningCLI passes it as True).
+# find_unused_parameters, which FTStrategy defaults to True (LightningCLI passes it as True) and ignores with FSDP2.
 _KWARGS_KEPT_WITH_FSDP = ("start_method", "find_unused_parameters")
 
 

@@ -45,6 +45,7 @@ class TimedTransport(CheckpointTransport[T]):
         self.inner = inner
         self._lock = threading.Lock()
         self._last_receive_seconds: float | None = None
+        self._last_source: int | None = None
 
     def metadata(self) -> str:
         return self.inner.metadata()
@@ -62,15 +63,22 @@ class TimedTransport(CheckpointTransport[T]):
         finally:
             with self._lock:
                 self._last_receive_seconds = time.monotonic() - started
+                self._last_source = src_rank
 
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
 
     def take_receive_seconds(self) -> float | None:
         """The latest receive's duration, once: ``None`` if nothing was received since the last call."""
+        return self.take_receive()[0]
+
+    def take_receive(self) -> tuple[float | None, int | None]:
+        """The latest receive's duration and source (the sender's replica rank in that quorum), once; ``(None,
+        None)`` if nothing was received since the last call."""
         with self._lock:
-            seconds, self._last_receive_seconds = self._last_receive_seconds, None
-        return seconds
+            taken = (self._last_receive_seconds, self._last_source)
+            self._last_receive_seconds = self._last_source = None
+        return taken
 
     def __getattr__(self, name: str) -> Any:  # anything a transport offers beyond the ABC
         return getattr(self.inner, name)
@@ -83,6 +91,9 @@ class Heal:
     step: int
     receive_seconds: float | None  # None: the transport was not a TimedTransport (a user-built Manager)
     apply_seconds: float
+    # The sender's replica rank in the heal's quorum (torchft spreads simultaneous heals over the up-to-date
+    # replicas, round robin); None as receive_seconds.
+    source_replica_rank: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -149,7 +160,7 @@ class FTTelemetry:
 
     def healed(self, step: int, apply_seconds: float) -> Heal:
         """Record a heal whose state has just been applied; the receive was timed by the transport."""
-        receive = self.transport.take_receive_seconds() if self.transport is not None else None
-        heal = Heal(step=step, receive_seconds=receive, apply_seconds=apply_seconds)
+        receive, source = self.transport.take_receive() if self.transport is not None else (None, None)
+        heal = Heal(step=step, receive_seconds=receive, apply_seconds=apply_seconds, source_replica_rank=source)
         self.heals.append(heal)
         return heal

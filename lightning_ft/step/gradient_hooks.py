@@ -201,4 +201,25 @@ def install_ddp_cross_group_hook(
         needs_manager_timeout=not gloo,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
+    if not model.find_unused_parameters:
+        pin_bucket_layout(model)
     return state
+
+
+def pin_bucket_layout(model: DistributedDataParallel) -> None:
+    """Fix DDP's gradient buckets now, from the model alone, so that they line up in every group at every step.
+
+    Without the unused-parameter search, DDP starts with a single bucket and rebuilds its buckets once, before a
+    process's second forward pass, in the order its first backward pass made the gradients ready. A group restarted
+    mid-run would then take its first step with that single bucket against its peers' rebuilt ones: the cross-group
+    allreduce would add up different parameters' gradients. Rebuilding here, before any step, from every parameter in
+    registration order (what torch's own ``Join`` hook does for a rank that ran out of data) gives every group the
+    same layout, and DDP never rebuilds again. The price is the order: the buckets follow the forward pass, DDP
+    launches them in that order, so the first bucket (the first layers' gradients, ready last) holds every allreduce
+    back to the end of the backward pass. With ``find_unused_parameters=True`` (the default) DDP never rebuilds, its
+    first layout already runs backwards, and the allreduces overlap the backward pass, at the cost of a graph
+    traversal every step (``docs/benchmarks.md``, section 6, *Per-step cost over a zoo of models*).
+    """
+    model.reducer._push_all_rebuilt_params()
+    if not model.reducer._rebuild_buckets():
+        raise RuntimeError("DDP did not rebuild its gradient buckets before the first step; FTStrategy needs it to")

@@ -234,6 +234,7 @@ QUORUM_CLIENT = (
     "for _ in range(3):\n"
     "    client.quorum(replica_id='only', timeout=timedelta(seconds=10))\n"
     "print('QUORUMS DONE', flush=True)\n"
+    "print('QUIET', os.environ.get('TORCH_CPP_LOG_LEVEL'), os.environ.get('PYTHONWARNINGS'), flush=True)\n"
 )
 
 
@@ -255,3 +256,6 @@ def test_the_launcher_prints_no_per_quorum_lines_unless_verbose(verbose):
     output = result.stdout + result.stderr
     assert "[group 0] QUORUMS DONE" in output
     assert ("Quorum!" in output) == verbose, output[-3000:]
+    # Torch's C++ warnings and Lightning's pytree FutureWarning, printed once by every worker, are off by default.
+    quiet = "[group 0] QUIET ERROR ignore::FutureWarning:lightning.pytorch.utilities._pytree" in output
+    assert quiet != verbose, output[-3000:]

@@ -113,6 +113,17 @@ def test_sigkill_one_of_two_groups(launch):
            survivors=[0])  # fmt: skip
 
 
+def test_without_unused_parameter_search_the_restarted_group_s_gradients_line_up_with_its_peer_s(launch):
+    """``find_unused_parameters=False``: DDP would lay the restarted group's first-step gradients out in one bucket
+    in parameter order against its peer's rebuilt, backward-ordered one; the pinned layout keeps them in line, and
+    the replicas end identical."""
+    max_steps = 40
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--find-unused-parameters=0", *GATES])
+    start_together(job, groups=2, nproc=1)
+    kill_and_restart(job, victim=1, rank=0, survivor=0)
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+
+
 def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
     """2 groups x 2 processes (torchrun), accumulation and clipping: killing one rank restarts its whole group,
     which gets a fresh store, heals, and rejoins."""

@@ -399,6 +399,10 @@ def test_the_timed_transport_delegates_and_times_each_receive_once():
     seconds = transport.take_receive_seconds()
     assert seconds is not None and seconds >= RECEIVE_S  # the receive's own duration, not the time since anything else
     assert transport.take_receive_seconds() is None
+    transport.recv_checkpoint(src_rank=2, metadata="meta", step=8, timeout=timedelta(seconds=1))
+    seconds, source = transport.take_receive()
+    assert seconds is not None and source == 2  # the sender's replica rank, for the healed event
+    assert transport.take_receive() == (None, None)
 
 
 class FakeManager:

@@ -249,3 +249,49 @@ def test_a_failed_collective_aborts_the_process_group_before_the_vote(error, cal
     protocol.open_quorum()
     assert protocol.commit() is (error is None)
     assert manager.calls == calls
+
+
+def _bucket_layouts(model: torch.nn.parallel.DistributedDataParallel, steps: int) -> list[list[list[tuple[int, ...]]]]:
+    """The parameters' shapes of each bucket, in launch order, at each of ``steps`` forward and backward passes."""
+    seen: list[list[tuple[int, ...]]] = []
+
+    def record(_, bucket):  # no annotations: DDP checks them, and this module's are strings
+        seen.append([tuple(p.shape) for p in bucket.parameters()])
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    model.register_comm_hook(None, record)
+    layouts = []
+    for _ in range(steps):
+        seen.clear()
+        model(torch.randn(3, 64)).sum().backward()
+        layouts.append(list(seen))
+    return layouts
+
+
+def test_without_unused_parameter_search_a_fresh_process_starts_with_the_buckets_its_peers_run():
+    """``find_unused_parameters=False``: DDP would rebuild its buckets after a process's first step, so a group
+    restarted mid-run would allreduce one bucket against its peers' rebuilt ones; the layout is pinned before the
+    first step, and a fresh process's first step uses the layout that a process three steps in uses."""
+    import torch.distributed as dist
+
+    from lightning_ft.step.gradient_hooks import pin_bucket_layout
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+
+        def pinned() -> torch.nn.parallel.DistributedDataParallel:
+            layers = [torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8)]
+            model = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Sequential(*layers), find_unused_parameters=False, bucket_cap_mb=1
+            )
+            pin_bucket_layout(model)
+            return model
+
+        running = _bucket_layouts(pinned(), steps=3)
+        fresh_first_step = _bucket_layouts(pinned(), steps=1)[0]
+        assert len(running[0]) > 1, running  # several buckets, so that an order can differ
+        assert running[0] == running[1] == running[2] == fresh_first_step
+    finally:
+        dist.destroy_process_group()

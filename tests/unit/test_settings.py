@@ -44,7 +44,7 @@ def test_single_group_defaults_need_no_lighthouse(monkeypatch):
         ({"num_replica_groups": 2}, "TORCHFT_LIGHTHOUSE"),
         ({"lighthouse": "lighthouse:29510"}, "lighthouse"),
         ({"max_retries": -1}, "max_retries"),
-        ({"find_unused_parameters": False}, "find_unused_parameters"),
+        ({"find_unused_parameters": "no"}, "find_unused_parameters"),
         ({"ddp_comm_hook": print}, "ddp_comm_hook"),
     ],
 )

@@ -476,6 +476,9 @@ def main() -> None:
         "--lighthouse-outage-timeout", type=float, default=None, help="FTStrategy(lighthouse_outage_timeout=...)"
     )
     parser.add_argument("--start-timeout", type=float, default=None, help="FTStrategy(start_timeout=...)")
+    parser.add_argument(
+        "--find-unused-parameters", type=int, default=None, help="FTStrategy(find_unused_parameters=...): 0 or 1"
+    )
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -521,6 +524,8 @@ def main() -> None:
         algorithm["start_timeout"] = args.start_timeout
     if args.data_mode is not None:
         algorithm["data_mode"] = args.data_mode
+    if args.find_unused_parameters is not None:
+        algorithm["find_unused_parameters"] = bool(args.find_unused_parameters)
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:

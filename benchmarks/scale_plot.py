@@ -1,0 +1,109 @@
+"""Draw ``docs/img/scale.png`` from every kept many-groups run (issue 26), each figure against N with its fit.
+
+Reads ``results/scale*.json`` (``scale.py``: step time and quorum wait at N real groups, paired against a torchrun
+world of N), ``results/scale_kills*.json`` (``scale_kills.py``: the survivors' stall and the time until every
+victim healed) and ``results/lighthouse_scale*.json`` (``lighthouse_scale.py``: 10 to 1,000 simulated groups).
+Every run of every file is a point; the line is the best of a constant, log N and N fitted to the medians per N
+(``scale.best_fit``). Usage::
+
+    python benchmarks/scale_plot.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from run_util import REPO, RESULTS, median
+from scale import best_fit
+
+
+def load(pattern: str) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(RESULTS.glob(pattern))]
+
+
+def fitted(axis: Any, points: dict[int, list[float]], label: str, marker: str = "o") -> None:
+    ns = sorted(points)
+    for n in ns:
+        axis.scatter([n] * len(points[n]), points[n], color="0.7", s=10, marker=marker)
+    medians = [median(points[n]) for n in ns]
+    axis.plot(ns, medians, marker=marker, linestyle="none", label=label)
+    if len(ns) >= 2:
+        fit = best_fit(ns, medians)
+        g = {"constant": lambda n: 0.0, "log N": math.log, "N": float}[fit["best"]]
+        xs = [ns[0] + (ns[-1] - ns[0]) * i / 50 for i in range(51)]
+        axis.plot(xs, [fit["a"] + fit["b"] * g(x) for x in xs], linewidth=0.8, label=f"{label}: fit {fit['best']}")
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
+    step, wait, ratio = {}, {}, {}
+    for record in load("scale*.json"):
+        if "rows" not in record or "fits" not in record:
+            continue  # scale_kills*.json
+        for run in record["runs"]:
+            if run["mode"] == "ft":
+                step.setdefault(run["groups"], []).append(run["step_s"] * 1000)
+                wait.setdefault(run["groups"], []).append(run["quorum_wait_s"] * 1000)
+        for row in record["rows"]:
+            ratio.setdefault(row["groups"], []).extend(row["ratios"])
+    baseline = {}
+    for record in load("scale*.json"):
+        for run in record.get("runs", []):
+            if run.get("mode") == "ddp":
+                baseline.setdefault(run["groups"], []).append(run["step_s"] * 1000)
+    axis = axes[0][0]
+    fitted(axis, step, "FTStrategy step")
+    fitted(axis, baseline, "DDPStrategy step (one torchrun world)", marker="s")
+    fitted(axis, wait, "quorum wait per step", marker="^")
+    axis.set(xlabel="replica groups N (1 process each, 2 cores)", ylabel="ms", title="Step time and quorum wait")
+    axis.legend(fontsize=7)
+    axis = axes[0][1]
+    fitted(axis, ratio, "FTStrategy ÷ DDPStrategy, paired")
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set(xlabel="replica groups N", ylabel="ratio", title="Step-time ratio")
+    axis.legend(fontsize=7)
+
+    stall, healed = {}, {}
+    for record in load("scale_kills*.json"):
+        for round_ in record["rounds"]:
+            key = round_["groups"]
+            if round_["round"] == "quarter":
+                stall.setdefault(key, []).append(round_["survivor_stall_s"])
+                healed.setdefault(key, []).append(round_["all_healed_after_s"])
+    axis = axes[1][0]
+    if stall:
+        fitted(axis, stall, "survivors' longest stall")
+        fitted(axis, healed, "kill → every victim healed", marker="s")
+    axis.set(xlabel="replica groups N (a quarter killed at once)", ylabel="s", title="A quarter of the groups killed")
+    axis.legend(fontsize=7)
+
+    formation, fan_out, drop, cpu = {}, {}, {}, {}
+    for record in load("lighthouse_scale*.json"):
+        for run in record["runs"]:
+            formation.setdefault(run["groups"], []).append(run["formation_s"] * 1000)
+            fan_out.setdefault(run["groups"], []).append(run["fan_out_s"] * 1000)
+            drop.setdefault(run["groups"], []).append(run["drop_s"] * 1000)
+            cpu.setdefault(run["groups"], []).append(run["lighthouse_cpu_us_per_heartbeat"])
+    axis = axes[1][1]
+    fitted(axis, formation, "quorum formation (ms)")
+    fitted(axis, drop, "drop a quarter (ms)", marker="s")
+    fitted(axis, cpu, "lighthouse CPU per heartbeat (µs)", marker="^")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set(xlabel="simulated groups N", title="The lighthouse, 10 to 1,000 simulated groups")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    out = REPO / "docs" / "img" / "scale.png"
+    figure.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
