@@ -38,6 +38,24 @@ def write(out: Path, step_ends: list[float], started: float, extra: dict[str, An
     out.write_text(json.dumps({**record, **extra}))
 
 
+class ProbedRegression(RegressionModule):
+    """``RegressionModule`` that, every ``every``-th batch, logs its loss with ``sync_dist=True`` inside the training
+    step (a reduction over the whole job while the step's quorum is open: the cross-group collective's latency) and
+    records how long that took."""
+
+    def __init__(self, size: str, every: int, timings: dict[str, list[float]]) -> None:
+        super().__init__(size)
+        self.every, self.timings = every, timings
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % self.every == self.every - 1:
+            started = time.perf_counter()
+            self.log("probe", loss.detach(), sync_dist=True, on_step=True, on_epoch=False)
+            self.timings["in_step"].append(time.perf_counter() - started)
+        return loss
+
+
 def run_lightning(args: argparse.Namespace, out: Path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
@@ -52,9 +70,17 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     waits: list[float] = []
     refetches = [0]
 
+    timings: dict[str, list[float]] = {"in_step": [], "section": []}
+
     class StepClock(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             step_ends.append(time.perf_counter())
+            if args.probe_every and len(step_ends) % args.probe_every == 0:
+                # A reduction between steps: in FTStrategy a sync section (its own quorum, then the exchange), what
+                # a validation run's sync_dist metrics pay; in DDPStrategy an allreduce of the world.
+                started = time.perf_counter()
+                trainer.strategy.reduce(torch.ones(1), reduce_op="sum")
+                timings["section"].append(time.perf_counter() - started)
             if isinstance(trainer.strategy, FTStrategy):
                 quorum_wait[0] = trainer.strategy.telemetry.quorum_wait_seconds_total
                 waits.append(quorum_wait[0])
@@ -83,11 +109,14 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
         callbacks=[StepClock()],
     )
     started = time.perf_counter()
-    trainer.fit(RegressionModule(args.size), DataLoader(data, batch_size=size.batch_size))
+    module = ProbedRegression(args.size, args.probe_every, timings) if args.probe_every else RegressionModule(args.size)
+    trainer.fit(module, DataLoader(data, batch_size=size.batch_size))
     # Every process of every mode writes its own record (ddp: both ranks; ft: both groups), so that overhead.py
     # averages the same two processes in each mode. Until 2026-11-26 ddp wrote rank 0's alone.
     rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
     extra: dict[str, Any] = {"global_step": trainer.global_step}
+    if args.probe_every:
+        extra["probe_in_step_s"], extra["probe_section_s"] = timings["in_step"], timings["section"]
     if args.mode == "ft":  # where the training thread waited for the quorum (strategy.telemetry, the ft/ metrics)
         extra["quorum_wait_s_total"] = quorum_wait[0]
         extra["quorum_wait_s_by_step"] = waits
@@ -148,6 +177,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="--mode ddp: the torchrun world's size")
     parser.add_argument("--ft-args", default="{}", help="--mode ft: FTStrategy keyword arguments, as JSON")
     parser.add_argument("--ddp-args", default="{}", help="--mode ddp: more DDPStrategy keyword arguments, as JSON")
+    parser.add_argument(
+        "--probe-every", type=int, default=0, help="time a job-wide reduction in the step and between steps every N"
+    )
     args = parser.parse_args()
     run = run_torchft if args.mode == "torchft" else run_lightning
     profile_to = os.environ.get("BENCH_PROFILE")  # a directory: where to find the per-step costs (cProfile)

@@ -36,9 +36,9 @@ STEPS = 200
 WARMUP = 40  # step intervals skipped: process start, the first heal, allocator warm-up
 
 
-def command(mode: str, groups: int, root: Path) -> list[str]:
+def command(mode: str, groups: int, root: Path, probe_every: int = 0) -> list[str]:
     worker = ["overhead_worker.py", f"--mode={mode}", "--size=tiny", f"--steps={STEPS}", f"--root={root}"]
-    worker.append(f"--out={root / 'steps.json'}")
+    worker += [f"--out={root / 'steps.json'}", f"--probe-every={probe_every}"]
     if mode == "ddp":
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={groups}"]
         return [*torchrun, *worker, f"--processes={groups}"]
@@ -46,15 +46,19 @@ def command(mode: str, groups: int, root: Path) -> list[str]:
     return [*launch, "--", "python", *worker]
 
 
-def measure(mode: str, groups: int, scratch: Path, rep: int) -> dict[str, Any]:
+def measure(mode: str, groups: int, scratch: Path, rep: int, probe_every: int = 0) -> dict[str, Any]:
     root = scratch / f"{groups}-{mode}-{rep}"
-    code = run_job(command(mode, groups, root), root / "job.log", timeout=600)
+    code = run_job(command(mode, groups, root, probe_every), root / "job.log", timeout=600)
     files = sorted(root.glob("steps.*.json"))
     if code != 0 or len(files) != groups:
         raise RuntimeError(f"{mode}/{groups} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     steps, waits = [], []
+    probes: dict[str, list[float]] = {"probe_in_step_s": [], "probe_section_s": []}
     for path in files:
         record = json.loads(path.read_text())
+        for key, values in probes.items():
+            if record.get(key):
+                values.append(median(record[key][len(record[key]) // 5 :]))  # after the warm-up fifth
         steps.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][WARMUP:]))
         if "quorum_wait_s_by_step" in record:
             totals = record["quorum_wait_s_by_step"]
@@ -62,6 +66,9 @@ def measure(mode: str, groups: int, scratch: Path, rep: int) -> dict[str, Any]:
     run: dict[str, Any] = {"mode": mode, "groups": groups, "rep": rep, "step_s": sum(steps) / len(steps)}
     if waits:
         run["quorum_wait_s"] = sum(waits) / len(waits)
+    for key, values in probes.items():  # the processes' mean of their median latencies
+        if values:
+            run[key] = sum(values) / len(values)
     print(f"  N={groups:2d} {mode:3s} rep {rep}: {run['step_s'] * 1000:7.2f} ms/step", flush=True)
     return run
 
@@ -100,6 +107,10 @@ def summarise(runs: list[dict[str, Any]], groups: list[int]) -> dict[str, Any]:
                 "ratios": ratios,
             }
         )
+        for key in ("probe_in_step_s", "probe_section_s"):  # with --probe-every: each mode's median latency
+            for mode, mine in (("ft", ft), ("ddp", list(ddp.values()))):
+                if any(key in r for r in mine):
+                    rows[-1][f"{mode}_{key[:-2]}_ms"] = 1000 * median([r[key] for r in mine if key in r])
     ns = [row["groups"] for row in rows]
     fits = {
         key: best_fit(ns, [row[key] for row in rows])
@@ -112,6 +123,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--probe-every",
+        type=int,
+        default=0,
+        help="every N steps, time a job-wide reduction inside the step (self.log(sync_dist=True)) and one between "
+        "steps (strategy.reduce: in FTStrategy a sync section, as in validation)",
+    )
     parser.add_argument("--out", type=Path, help="a new file (default: results/scale_<UTC time>.json)")
     args = parser.parse_args()
     args.out = new_results_file(args.out, "scale")  # every run is kept
@@ -120,7 +138,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for n in args.groups:
                 for mode in ("ddp", "ft") if rep % 2 == 0 else ("ft", "ddp"):
-                    runs.append(measure(mode, n, Path(scratch), rep))
+                    runs.append(measure(mode, n, Path(scratch), rep, args.probe_every))
     summary = summarise(runs, args.groups)
     for row in summary["rows"]:
         print(
@@ -130,7 +148,12 @@ def main() -> None:
     for key, fit in summary["fits"].items():
         print(f"{key}: best fit {fit['best']} (a={fit['a']:.3f}, b={fit['b']:.3f})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "steps": STEPS, "runs": runs, **summary}, indent=1))
+    for row in summary["rows"]:
+        probes = {key: round(value, 3) for key, value in row.items() if "probe" in key}
+        if probes:
+            print(f"N={row['groups']:2d} probes (ms): {probes}")
+    record = {"machine": machine(), "steps": STEPS, "probe_every": args.probe_every, "runs": runs, **summary}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -270,28 +270,35 @@ def _bucket_layouts(model: torch.nn.parallel.DistributedDataParallel, steps: int
     return layouts
 
 
+def _standalone_gloo_group() -> torch.distributed.ProcessGroup:
+    """A one-process Gloo process group of its own, as torchft builds its process groups: no default group, so no
+    state shared with other tests of the same process."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, 0, 1))
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
 def test_without_unused_parameter_search_a_fresh_process_starts_with_the_buckets_its_peers_run():
     """``find_unused_parameters=False``: DDP would rebuild its buckets after a process's first step, so a group
     restarted mid-run would allreduce one bucket against its peers' rebuilt ones; the layout is pinned before the
     first step, and a fresh process's first step uses the layout that a process three steps in uses."""
-    import torch.distributed as dist
-
     from lightning_ft.step.gradient_hooks import pin_bucket_layout
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    group = _standalone_gloo_group()
 
-        def pinned() -> torch.nn.parallel.DistributedDataParallel:
-            layers = [torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8)]
-            model = torch.nn.parallel.DistributedDataParallel(
-                torch.nn.Sequential(*layers), find_unused_parameters=False, bucket_cap_mb=1
-            )
-            pin_bucket_layout(model)
-            return model
+    def pinned() -> torch.nn.parallel.DistributedDataParallel:
+        layers = [torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8)]
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*layers), process_group=group, find_unused_parameters=False, bucket_cap_mb=1
+        )
+        pin_bucket_layout(model)
+        return model
 
-        running = _bucket_layouts(pinned(), steps=3)
-        fresh_first_step = _bucket_layouts(pinned(), steps=1)[0]
-        assert len(running[0]) > 1, running  # several buckets, so that an order can differ
-        assert running[0] == running[1] == running[2] == fresh_first_step
-    finally:
-        dist.destroy_process_group()
+    running = _bucket_layouts(pinned(), steps=3)
+    fresh_first_step = _bucket_layouts(pinned(), steps=1)[0]
+    assert len(running[0]) > 1, running  # several buckets, so that an order can differ
+    assert running[0] == running[1] == running[2] == fresh_first_step
