@@ -50,12 +50,13 @@ bench-zoo: $(STAMP)
 	$(BIN)/python benchmarks/zoo.py $(ARGS)
 
 # Many groups (docs/benchmarks.md section 7): N = 2..16 real groups, kills at N = 4..16, 1,000 simulated groups
-# (about 25 minutes), then the plot of every kept run.
+# and k heals at once (about 30 minutes), then the plot of every kept run.
 bench-scale: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/scale_kills.py
 	$(BIN)/python benchmarks/lighthouse_scale.py
+	$(BIN)/python benchmarks/heal_fanout.py
 	$(BIN)/python benchmarks/scale_plot.py
 
 # The fault test matrix with its measured figures (docs/reliability.md): about 10 minutes on 2 CPU cores.

@@ -30,6 +30,10 @@ default below. No run measures the baseline's checkpoint write, c_ckpt: it is as
 assumptions for illustration, not measurements: a full-job restart of minutes, a longer stall and heal (NCCL timeouts
 and init, weights and optimizer state pulled from a peer), a slower checkpoint write.
 
+A second table extends the simulated-groups measurement (``lighthouse_scale.py``: the lighthouse's CPU per heartbeat
+and a quorum's formation time per group) over G groups, with the cross-group ring's latency at an assumed hop
+latency: where one lighthouse or the allreduce becomes the limit (:func:`limits_table`).
+
     python benchmarks/cluster_model.py            # docs/img/cluster-model.png, benchmarks/results/cluster_model.md
     python benchmarks/cluster_model.py --ckpt-interval 1800 --out-png /tmp/m.png --out-md /tmp/m.md
 """
@@ -37,6 +41,7 @@ and init, weights and optimizer state pulled from a peer), a slower checkpoint w
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -209,6 +214,61 @@ def plot(path: Path, measured: Costs, scale: Costs, interval: float | None, c_as
     fig.savefig(path, dpi=110)
 
 
+HEARTBEAT_INTERVAL_S = 0.1  # torchft's default heartbeat interval (the ManagerServer's)
+RING_HOP_LATENCY_S = 50e-6  # assumed: one message hop of a cross-group ring over a datacenter network, not measured
+
+
+def lighthouse_inputs(results: Path) -> dict[str, float] | None:
+    """The simulated-groups measurement (``lighthouse_scale.py``) at its largest N, over every kept file: the
+    lighthouse's CPU per heartbeat (the least over files: the cost with the driver not starving it) and a quorum's
+    formation time per group (the most: an upper bound, driver-bound at the top)."""
+    runs = []
+    for path in sorted(results.glob("lighthouse_scale*.json")):
+        runs += json.loads(path.read_text())["runs"]
+    if not runs:
+        return None
+    top = max(run["groups"] for run in runs)
+    largest = [run for run in runs if run["groups"] == top]
+    return {
+        "groups": float(top),
+        "cpu_s_per_heartbeat": min(run["lighthouse_cpu_us_per_heartbeat"] for run in largest) * 1e-6,
+        "formation_s_per_group": max(run["formation_s"] for run in largest) / top,
+        "drop_s": max(run["drop_s"] for run in largest),
+    }
+
+
+def limits_table(inputs: dict[str, float], groups: tuple[int, ...] = (16, 64, 256, 1024, 4096)) -> str:
+    """What grows with G for one lighthouse and one cross-group ring, from the measured per-member costs.
+
+    * heartbeats: G groups each heartbeat every 100 ms, each costing the lighthouse ``cpu_s_per_heartbeat`` of one
+      core; past a share of 1 the lighthouse falls behind and healthy groups look dead;
+    * quorum formation: one quorum RPC per group per step, linear in G at the measured per-group cost (an upper bound:
+      at 1,000 groups the measuring driver, not the lighthouse, was short of CPU); with ``use_async_quorum`` it
+      overlaps the step, so it costs nothing while the step is longer;
+    * the cross-group ring (Gloo's allreduce, as in this project's CPU runs): 2 (G - 1) message hops per bucket, so
+      its latency term grows with G at an assumed hop latency; its bytes per group stay 2 (G - 1) / G of the
+      gradients. NCCL's tree and PAT algorithms grow as log G instead.
+    """
+    per_beat, per_group = inputs["cpu_s_per_heartbeat"], inputs["formation_s_per_group"]
+    lines = [
+        "| G | lighthouse heartbeat load (share of one core) | quorum formation (shortest step that hides it) "
+        f"| ring latency per bucket (hop {RING_HOP_LATENCY_S * 1e6:.0f} µs, assumed) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for g in groups:
+        load = g / HEARTBEAT_INTERVAL_S * per_beat
+        lines.append(f"| {g} | {load:.2f} | {human(g * per_group)} | {human(2 * (g - 1) * RING_HOP_LATENCY_S)} |")
+    limit = 1.0 / (per_beat / HEARTBEAT_INTERVAL_S)
+    lines += [
+        "",
+        f"Measured at {inputs['groups']:.0f} simulated groups: {per_beat * 1e6:.0f} µs of lighthouse CPU per "
+        f"heartbeat, {per_group * 1e3:.2f} ms of quorum formation per group, a quarter dropped in "
+        f"{human(inputs['drop_s'])}. One lighthouse core serves about {limit:,.0f} groups at a heartbeat every "
+        f"{HEARTBEAT_INTERVAL_S * 1e3:.0f} ms.",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the results files are")
@@ -227,6 +287,9 @@ def main() -> None:
     source = source_of(notes)
     md = table(scenarios(measured, scale, source), args.ckpt_interval)
     text = "\n".join(["Inputs: " + "; ".join(notes) + ".", "", md, ""])
+    lighthouse = lighthouse_inputs(args.results)
+    if lighthouse is not None:
+        text += "\n".join(["", "What grows with the number of groups G:", "", limits_table(lighthouse), ""])
     print(text)
     args.out_md.parent.mkdir(parents=True, exist_ok=True)
     args.out_md.write_text(text)

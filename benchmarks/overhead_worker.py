@@ -27,6 +27,8 @@ from bench_model import SIZES, RegressionModule, SyntheticRegression
 # The same intra-op threads in every mode: torchrun sets OMP_NUM_THREADS=1 only with several processes per node.
 torch.set_num_threads(1)
 
+VALIDATION_BATCHES = 2  # per process, in each validation run of --probe-every
+
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -55,6 +57,12 @@ class ProbedRegression(RegressionModule):
             self.timings["in_step"].append(time.perf_counter() - started)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """A validation run as users write one: the loss logged per epoch with ``sync_dist=True``, reduced over the
+        whole job at the run's end (in ``FTStrategy`` inside a sync section, with its own quorum)."""
+        inputs, targets = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)
+
 
 def run_lightning(args: argparse.Namespace, out: Path) -> None:
     import lightning.pytorch as pl
@@ -70,9 +78,15 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     waits: list[float] = []
     refetches = [0]
 
-    timings: dict[str, list[float]] = {"in_step": [], "section": []}
+    timings: dict[str, list[float]] = {"in_step": [], "section": [], "validation": []}
 
     class StepClock(pl.Callback):
+        def on_validation_start(self, *_: Any) -> None:
+            timings["validation_started"] = [time.perf_counter()]
+
+        def on_validation_end(self, *_: Any) -> None:
+            timings["validation"].append(time.perf_counter() - timings["validation_started"][0])
+
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             step_ends.append(time.perf_counter())
             if args.probe_every and len(step_ends) % args.probe_every == 0:
@@ -94,7 +108,11 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
         strategy = FTStrategy(**json.loads(args.ft_args))
         devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     data = SyntheticRegression(size.width, size.batch_size, length=args.steps * size.batch_size * world)
+    validation: dict[str, Any] = {"limit_val_batches": 0}
+    if args.probe_every:  # a validation run of VALIDATION_BATCHES batches every probe_every steps
+        validation = {"val_check_interval": args.probe_every, "limit_val_batches": VALIDATION_BATCHES}
     trainer = pl.Trainer(
+        **validation,
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -110,13 +128,16 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
     )
     started = time.perf_counter()
     module = ProbedRegression(args.size, args.probe_every, timings) if args.probe_every else RegressionModule(args.size)
-    trainer.fit(module, DataLoader(data, batch_size=size.batch_size))
+    val_data = SyntheticRegression(size.width, size.batch_size, length=VALIDATION_BATCHES * size.batch_size * world)
+    val_loader = DataLoader(val_data, batch_size=size.batch_size) if args.probe_every else None
+    trainer.fit(module, DataLoader(data, batch_size=size.batch_size), val_loader)
     # Every process of every mode writes its own record (ddp: both ranks; ft: both groups), so that overhead.py
     # averages the same two processes in each mode. Until 2026-11-26 ddp wrote rank 0's alone.
     rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
     extra: dict[str, Any] = {"global_step": trainer.global_step}
     if args.probe_every:
         extra["probe_in_step_s"], extra["probe_section_s"] = timings["in_step"], timings["section"]
+        extra["probe_validation_s"] = timings["validation"]
     if args.mode == "ft":  # where the training thread waited for the quorum (strategy.telemetry, the ft/ metrics)
         extra["quorum_wait_s_total"] = quorum_wait[0]
         extra["quorum_wait_s_by_step"] = waits
@@ -178,7 +199,10 @@ def main() -> None:
     parser.add_argument("--ft-args", default="{}", help="--mode ft: FTStrategy keyword arguments, as JSON")
     parser.add_argument("--ddp-args", default="{}", help="--mode ddp: more DDPStrategy keyword arguments, as JSON")
     parser.add_argument(
-        "--probe-every", type=int, default=0, help="time a job-wide reduction in the step and between steps every N"
+        "--probe-every",
+        type=int,
+        default=0,
+        help="every N steps, time a job-wide reduction in the step, one between steps and a validation run",
     )
     args = parser.parse_args()
     run = run_torchft if args.mode == "torchft" else run_lightning

@@ -53,7 +53,7 @@ def measure(mode: str, groups: int, scratch: Path, rep: int, probe_every: int = 
     if code != 0 or len(files) != groups:
         raise RuntimeError(f"{mode}/{groups} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     steps, waits = [], []
-    probes: dict[str, list[float]] = {"probe_in_step_s": [], "probe_section_s": []}
+    probes: dict[str, list[float]] = {"probe_in_step_s": [], "probe_section_s": [], "probe_validation_s": []}
     for path in files:
         record = json.loads(path.read_text())
         for key, values in probes.items():
@@ -78,7 +78,7 @@ def best_fit(ns: list[int], values: list[float]) -> dict[str, Any]:
     (a constant wins ties: it has one parameter fewer)."""
     fits = {}
     for name, g in (("constant", None), ("log N", math.log), ("N", float)):
-        if g is None:
+        if g is None or len(set(ns)) < 2:  # one N: only a constant can be fitted
             a, b = sum(values) / len(values), 0.0
         else:
             xs = [g(n) for n in ns]
@@ -107,7 +107,8 @@ def summarise(runs: list[dict[str, Any]], groups: list[int]) -> dict[str, Any]:
                 "ratios": ratios,
             }
         )
-        for key in ("probe_in_step_s", "probe_section_s"):  # with --probe-every: each mode's median latency
+        # With --probe-every: each mode's median latency.
+        for key in ("probe_in_step_s", "probe_section_s", "probe_validation_s"):
             for mode, mine in (("ft", ft), ("ddp", list(ddp.values()))):
                 if any(key in r for r in mine):
                     rows[-1][f"{mode}_{key[:-2]}_ms"] = 1000 * median([r[key] for r in mine if key in r])
@@ -128,7 +129,8 @@ def main() -> None:
         type=int,
         default=0,
         help="every N steps, time a job-wide reduction inside the step (self.log(sync_dist=True)) and one between "
-        "steps (strategy.reduce: in FTStrategy a sync section, as in validation)",
+        "steps (strategy.reduce: in FTStrategy group-local outside a section) and a validation run of 2 batches "
+        "(val_check_interval=N) logging its loss with sync_dist=True: in FTStrategy a sync section across groups",
     )
     parser.add_argument("--out", type=Path, help="a new file (default: results/scale_<UTC time>.json)")
     args = parser.parse_args()

@@ -2,7 +2,9 @@
 
 Reads ``results/scale*.json`` (``scale.py``: step time and quorum wait at N real groups, paired against a torchrun
 world of N), ``results/scale_kills*.json`` (``scale_kills.py``: the survivors' stall and the time until every
-victim healed) and ``results/lighthouse_scale*.json`` (``lighthouse_scale.py``: 10 to 1,000 simulated groups).
+victim healed), ``results/lighthouse_scale*.json`` (``lighthouse_scale.py``: 10 to 1,000 simulated groups) and
+``results/heal_fanout*.json`` (``heal_fanout.py``: k heals at once from one source or spread). Runs of ``scale.py``
+with ``--probe-every`` add a validation run's and a logged metric's cost per N.
 Every run of every file is a point; the line is the best of a constant, log N and N fitted to the medians per N
 (``scale.best_fit``). Usage::
 
@@ -42,7 +44,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
+    figure, axes = plt.subplots(3, 2, figsize=(11, 12))
     step, wait, ratio = {}, {}, {}
     for record in load("scale*.json"):
         if "rows" not in record or "fits" not in record:
@@ -98,6 +100,38 @@ def main() -> None:
     axis.set_xscale("log")
     axis.set_yscale("log")
     axis.set(xlabel="simulated groups N", title="The lighthouse, 10 to 1,000 simulated groups")
+    axis.legend(fontsize=7)
+    probes: dict[str, dict[int, list[float]]] = {}
+    for record in load("scale*.json"):
+        for run in record.get("runs", []):
+            for key in ("probe_in_step_s", "probe_validation_s"):
+                if key in run and "mode" in run:
+                    probes.setdefault(f"{run['mode']} {key}", {}).setdefault(run["groups"], []).append(run[key] * 1000)
+    axis = axes[2][0]
+    for key, label, marker in (
+        ("ft probe_validation_s", "FTStrategy validation run (a sync section)", "o"),
+        ("ddp probe_validation_s", "DDPStrategy validation run", "s"),
+        ("ft probe_in_step_s", "FTStrategy sync_dist in the step", "^"),
+        ("ddp probe_in_step_s", "DDPStrategy sync_dist in the step", "v"),
+    ):
+        if key in probes:
+            fitted(axis, probes[key], label, marker=marker)
+    axis.set(xlabel="replica groups N", ylabel="ms", title="Job-wide reductions: a validation run, a logged metric")
+    axis.legend(fontsize=7)
+
+    heals: dict[str, dict[int, list[float]]] = {}
+    for record in load("heal_fanout*.json"):
+        for row in record["rows"]:
+            lone = row["k"] == 1  # a lone heal starts both series
+            labels = ["from one source"] if row["layout"] == "one" else []
+            labels += ["each from its own source"] if row["layout"] == "spread" or lone else []
+            for label in labels:
+                heals.setdefault(label, {}).setdefault(row["k"], []).extend(s * 1000 for s in row["all_healed_s"][1:])
+    axis = axes[2][1]
+    for (label, points), marker in zip(heals.items(), ("o", "s"), strict=False):
+        fitted(axis, points, label, marker=marker)
+    axis.set(xlabel="heals at once k (100 MB each)", ylabel="ms until the last heal returned")
+    axis.set(title="Heal fan-out (first, cold repetition left out)")
     axis.legend(fontsize=7)
     figure.tight_layout()
     out = REPO / "docs" / "img" / "scale.png"
