@@ -51,7 +51,7 @@ def steps_for(model: str, accumulate: int) -> tuple[int, int]:
     return measured + warmup, warmup
 
 
-def command(mode: str, model: str, accumulate: int, steps: int, root: Path) -> list[str]:
+def command(mode: str, model: str, accumulate: int, steps: int, root: Path, processes: int = PROCESSES) -> list[str]:
     worker = [
         "zoo_worker.py",
         f"--mode={mode}",
@@ -62,18 +62,20 @@ def command(mode: str, model: str, accumulate: int, steps: int, root: Path) -> l
         f"--out={root / 'steps.json'}",
     ]
     if mode == "ddp":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PROCESSES}", *worker]
-    launch = [*LIGHTNING_FT, "launch", f"--replica-groups={PROCESSES}", f"--min-replicas={PROCESSES}"]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *worker]
+    launch = [*LIGHTNING_FT, "launch", f"--replica-groups={processes}", f"--min-replicas={processes}"]
     return [*launch, "--max-restarts=0", "--", "python", *worker]
 
 
-def measure(mode: str, model: str, accumulate: int, rep: int, scratch: Path) -> dict[str, Any]:
+def measure(
+    mode: str, model: str, accumulate: int, rep: int, scratch: Path, processes: int = PROCESSES
+) -> dict[str, Any]:
     steps, warmup = steps_for(model, accumulate)
     root = scratch / f"{model}-{accumulate}-{mode}-{rep}"
     load = os.getloadavg()[0]
-    code = run_job(command(mode, model, accumulate, steps, root), root / "job.log", timeout=600)
+    code = run_job(command(mode, model, accumulate, steps, root, processes), root / "job.log", timeout=600)
     files = sorted(root.glob("steps.*.json"))
-    if code != 0 or len(files) != PROCESSES:
+    if code != 0 or len(files) != processes:
         raise RuntimeError(f"{mode}/{model} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     medians = []
     for path in files:
@@ -83,7 +85,8 @@ def measure(mode: str, model: str, accumulate: int, rep: int, scratch: Path) -> 
         medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
     step = sum(medians) / len(medians)
     print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step", flush=True)
-    return {"mode": mode, "model": model, "accumulate": accumulate, "rep": rep, "step_s": step, "loadavg_1m": load}
+    run = {"mode": mode, "model": model, "accumulate": accumulate, "rep": rep, "step_s": step, "loadavg_1m": load}
+    return {**run, "processes": processes}
 
 
 def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -183,12 +186,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO))
     parser.add_argument("--accumulate", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["ddp", "ft"], choices=["ddp", "ft", "ft_pinned"])
+    parser.add_argument("--modes", nargs="+", default=["ddp", "ft"], choices=["ddp", "ft", "ft_pinned", "ft_sync"])
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=PROCESSES,
+        help="processes per job (groups of 1, or the torchrun world); with 1 a core stays free for everything but "
+        "training. Runs of another count than 2 go to results/zoo-<N>-process_<UTC time>.json, outside the verdict",
+    )
     parser.add_argument("--out", type=Path, help="a new file (default: results/zoo_<UTC time>.json)")
     parser.add_argument("--summary", action="store_true", help="only summarise every kept run and redraw the plot")
     args = parser.parse_args()
     if not args.summary:
-        out = new_results_file(args.out, "zoo")
+        out = new_results_file(args.out, "zoo" if args.processes == PROCESSES else f"zoo-{args.processes}-process")
         runs: list[dict[str, Any]] = []
         record = {"machine": machine(), "loadavg_start": list(os.getloadavg()), "runs": runs}
         with tempfile.TemporaryDirectory(prefix="lightning-ft-zoo-") as scratch:
@@ -196,9 +206,13 @@ def main() -> None:
                 for model, accumulate in itertools.product(args.models, args.accumulate):
                     modes = ["ddp", *(m for m in args.modes if m != "ddp")]
                     order = modes if rep % 2 == 0 else modes[::-1]
-                    runs.extend(measure(mode, model, accumulate, rep, Path(scratch)) for mode in order)
+                    scratch_path = Path(scratch)
+                    runs.extend(measure(m, model, accumulate, rep, scratch_path, args.processes) for m in order)
                     out.write_text(json.dumps({**record, "loadavg_end": list(os.getloadavg())}, indent=1))
         print(f"wrote {out}")
+    if args.processes != PROCESSES:
+        print(table(summarise({out.name: runs})))
+        return
     rows = summarise(every_kept_run())
     if not rows:
         raise SystemExit(f"no zoo results under {RESULTS}")

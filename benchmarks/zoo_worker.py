@@ -2,7 +2,8 @@
 
 ``--mode ddp``: one of 2 ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun``. ``--mode ft``: one
 replica group of 1 process with ``FTStrategy()`` (its defaults), under ``lightning-ft launch``; ``--mode ft_pinned``
-the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, buckets pinned in forward order).
+the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, buckets pinned in forward order),
+``--mode ft_sync`` with ``FTStrategy(use_async_quorum=False)`` (the quorum before the forward pass, not beside it).
 Every mode trains the zoo model ``--model`` with ``accumulate_grad_batches=--accumulate`` and writes the time each
 optimizer step ended (``time.perf_counter``) to ``--out`` with their rank or group before the suffix (``steps.0.json``).
 """
@@ -43,7 +44,7 @@ class OptimizerStepClock(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ddp", "ft", "ft_pinned"], required=True)
+    parser.add_argument("--mode", choices=["ddp", "ft", "ft_pinned", "ft_sync"], required=True)
     parser.add_argument("--model", choices=sorted(ZOO), required=True)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, required=True)
@@ -53,9 +54,9 @@ def main() -> None:
 
     if args.mode == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo")
-        devices = world = 2
+        devices = world = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's world: zoo.py --processes
     else:
-        strategy = FTStrategy(find_unused_parameters=args.mode != "ft_pinned")
+        strategy = FTStrategy(find_unused_parameters=args.mode != "ft_pinned", use_async_quorum=args.mode != "ft_sync")
         devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     spec = ZOO[args.model]
     batches = args.steps * args.accumulate
