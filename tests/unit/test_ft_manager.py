@@ -85,3 +85,37 @@ def test_a_received_state_is_vetted_as_soon_as_the_quorum_is_known():
     with pytest.raises(ValueError, match=r"net\.weight"):
         manager.wait_quorum()
     assert seen == ["peer state"]
+
+
+def test_a_known_quorum_skips_torchft_s_profiler_range_unless_a_profiler_runs(monkeypatch):
+    """torchft's ``wait_quorum`` is ``_quorum_future.result()`` inside a ``record_function`` range (two torch ops per
+    call, several calls per step): a quorum already known is taken without it, but a running profiler still gets
+    the range, and a quorum still forming is waited for by torchft."""
+    import torch
+    from torchft import Manager
+
+    calls: list[str] = []
+    torchft_wait = Manager.wait_quorum
+    monkeypatch.setattr(Manager, "wait_quorum", lambda self: (calls.append("torchft"), torchft_wait(self))[1])
+    manager = bare_manager()
+    completed_quorum(manager, quorum_id=2, participants=2, replica_rank=0)
+    for _ in range(3):
+        manager.wait_quorum()
+    assert calls == []  # the known quorum, three times, without the range
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        manager.wait_quorum()
+    assert calls == ["torchft"]
+    assert "torchft::manager::wait_quorum" in {event.name for event in profile.events()}
+
+    forming: Future[None] = Future()
+    manager._quorum_future = forming
+    monkeypatch.setattr(Manager, "wait_quorum", lambda self: (calls.append("torchft"), forming.set_result(None)))
+    manager.wait_quorum()
+    assert calls == ["torchft", "torchft"]
+
+    failed: Future[None] = Future()
+    failed.set_exception(TimeoutError("no quorum"))
+    manager._quorum_future = failed
+    with pytest.raises(TimeoutError):  # a failed quorum raises torchft's error without the range too
+        manager.wait_quorum()
+    assert calls == ["torchft", "torchft"]
