@@ -26,11 +26,7 @@ comparison shows whether one source is the bottleneck beyond that. Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +36,7 @@ from typing import Any
 
 import torch
 from heal_throughput import MB, check, make_state
-from run_util import bench_env, machine, median, new_results_file
+from run_util import machine, median, new_results_file, run_together
 
 HOST = "127.0.0.1"
 TIMEOUT = timedelta(seconds=120)  # every transport call and store wait in a child
@@ -132,33 +128,16 @@ def run_children(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]
     store = group_store(HOST)  # on loopback only, on a free port
     width = max(args.fanouts)
     limit = 120.0 + 2.0 * len(rounds(args.fanouts, args.repeats)) * width * args.size / 100
-    processes: list[tuple[subprocess.Popen[bytes], Path]] = []
-    with contextlib.ExitStack() as files:
-        try:
-            for role, index in [("sender", i) for i in range(width)] + [("receiver", i) for i in range(width)]:
-                log = scratch / f"{role}{index}.log"
-                command = [sys.executable, str(Path(__file__).resolve()), f"--role={role}", f"--index={index}"]
-                command += [f"--size={args.size}", f"--repeats={args.repeats}", f"--store-port={store.port}"]
-                command += [f"--result={scratch / f'receiver{index}.json'}", "--fanouts", *map(str, args.fanouts)]
-                out = files.enter_context(log.open("wb"))
-                process = subprocess.Popen(
-                    command, env=bench_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                processes.append((process, log))
-            deadline = time.monotonic() + limit
-            while any(process.poll() is None for process, _ in processes):
-                for process, log in processes:
-                    if process.poll() not in (None, 0):
-                        raise RuntimeError(f"{log.stem} exited with {process.returncode}: see {log}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ran past {limit:.0f} s; logs in {scratch}")
-                time.sleep(0.1)
-        finally:
-            for process, _ in processes:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-            del store
+    commands = []
+    for role, index in [("sender", i) for i in range(width)] + [("receiver", i) for i in range(width)]:
+        command = [sys.executable, str(Path(__file__).resolve()), f"--role={role}", f"--index={index}"]
+        command += [f"--size={args.size}", f"--repeats={args.repeats}", f"--store-port={store.port}"]
+        command += [f"--result={scratch / f'receiver{index}.json'}", "--fanouts", *map(str, args.fanouts)]
+        commands.append((command, scratch / f"{role}{index}.log"))
+    try:
+        run_together(commands, limit)
+    finally:
+        del store
     return [record for i in range(width) for record in json.loads((scratch / f"receiver{i}.json").read_text())]
 
 

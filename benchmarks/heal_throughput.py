@@ -36,11 +36,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run_util import bench_env, machine, median, new_results_file
+from run_util import machine, median, new_results_file, run_together
 
 TRANSPORTS = ("http", "pg", "pg-inplace")
 HOST = "127.0.0.1"
@@ -227,10 +223,6 @@ def child(args: argparse.Namespace) -> None:
 # --- the driver -------------------------------------------------------------------------------------------------
 
 
-def tail(log: Path, lines: int = 20) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
 def deadline_seconds(configs: list[tuple[str, int]], repeats: int) -> float:
     """Generous: start-up (slow on a loaded machine), then 20 s per GB moved (0.05 GB/s) plus the state's set-up."""
     return 120.0 + sum(size / GB * (20.0 * repeats + 10.0) for _, size in configs)
@@ -243,44 +235,23 @@ def run_pair(configs: list[tuple[str, int]], repeats: int, scratch: Path) -> lis
 
     result = scratch / "receiver.json"
     store = group_store(HOST)  # on loopback only, on a free port
-    limit = deadline_seconds(configs, repeats)
-    processes: list[tuple[subprocess.Popen[bytes], Path]] = []
-    with contextlib.ExitStack() as files:
-        try:
-            for role in ("sender", "receiver"):
-                log = scratch / f"{role}.log"
-                command = [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    f"--role={role}",
-                    f"--repeats={repeats}",
-                    f"--store-port={store.port}",
-                    f"--result={result}",
-                    "--configs",
-                    *(f"{kind}:{size}" for kind, size in configs),
-                ]
-                out = files.enter_context(log.open("wb"))
-                process = subprocess.Popen(
-                    command, env=bench_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                processes.append((process, log))
-            deadline = time.monotonic() + limit
-            while any(process.poll() is None for process, _ in processes):
-                for process, log in processes:
-                    if process.poll() not in (None, 0):
-                        raise RuntimeError(f"the {log.stem} exited with {process.returncode}:\n{tail(log)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ran past {limit:.0f}s:\n{tail(processes[-1][1])}")
-                time.sleep(0.1)
-            for process, log in processes:
-                if process.returncode != 0:
-                    raise RuntimeError(f"the {log.stem} exited with {process.returncode}:\n{tail(log)}")
-        finally:
-            for process, _ in processes:  # our own children only, each in its own session
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-            del store
+    commands = []
+    for role in ("sender", "receiver"):
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            f"--role={role}",
+            f"--repeats={repeats}",
+            f"--store-port={store.port}",
+            f"--result={result}",
+            "--configs",
+            *(f"{kind}:{size}" for kind, size in configs),
+        ]
+        commands.append((command, scratch / f"{role}.log"))
+    try:
+        run_together(commands, deadline_seconds(configs, repeats))
+    finally:
+        del store
     return json.loads(result.read_text())
 
 

@@ -55,6 +55,42 @@ def new_results_file(out: Path | None, stem: str) -> Path:
     return path
 
 
+def run_together(commands: list[tuple[list[str], Path]], limit: float) -> None:
+    """Start every ``(command, log)`` at once, each in its own session with output to its log, and wait for all;
+    raise as soon as one fails or ``limit`` seconds pass. Whatever happens, any left running is killed (ours alone)."""
+    import contextlib
+
+    processes: list[tuple[subprocess.Popen[bytes], Path]] = []
+    with contextlib.ExitStack() as files:
+        try:
+            for command, log in commands:
+                out = files.enter_context(log.open("wb"))
+                process = subprocess.Popen(
+                    command, env=bench_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                processes.append((process, log))
+            deadline = time.monotonic() + limit
+            while any(process.poll() is None for process, _ in processes):
+                for process, log in processes:
+                    if process.poll() not in (None, 0):
+                        raise RuntimeError(f"{log.stem} exited with {process.returncode}:\n{tail(log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ran past {limit:.0f}s:\n{tail(processes[-1][1])}")
+                time.sleep(0.1)
+            for process, log in processes:
+                if process.returncode != 0:
+                    raise RuntimeError(f"{log.stem} exited with {process.returncode}:\n{tail(log)}")
+        finally:
+            for process, _ in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
