@@ -27,7 +27,9 @@ Internal                                   Why                                  
                                            setting aside a failed group                 group the Manager was given
 ``Manager._quorum_id``,                    the quorum id and membership for events,     a quorum-id accessor / quorum
 ``_participating_replica_*``               telemetry and the left-behind watch          callback
-``Manager._quorum_future``                 report each quorum once to observers         a quorum callback
+``Manager._quorum_future``                 report each quorum once to observers; take   a quorum callback; a
+                                           a known quorum without ``wait_quorum``'s     ``wait_quorum`` that enters its
+                                           profiler range (several calls a step)        range only while it waits
 ``Manager._healing``,                      vet a received state before the first        a heal-check hook
 ``_pending_state_dict``,                   collective
 ``_apply_pending_state_dict``
