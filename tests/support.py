@@ -71,7 +71,7 @@ def process_gone(pid: int) -> bool:
     """True once ``pid`` has exited (a zombie waiting to be reaped counts as exited)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or reaped between the open and the read
         return True
     return "State:\tZ" in status
 
