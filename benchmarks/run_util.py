@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
@@ -58,8 +59,6 @@ def new_results_file(out: Path | None, stem: str) -> Path:
 def run_together(commands: list[tuple[list[str], Path]], limit: float) -> None:
     """Start every ``(command, log)`` at once, each in its own session with output to its log, and wait for all;
     raise as soon as one fails or ``limit`` seconds pass. Whatever happens, any left running is killed (ours alone)."""
-    import contextlib
-
     processes: list[tuple[subprocess.Popen[bytes], Path]] = []
     with contextlib.ExitStack() as files:
         try:

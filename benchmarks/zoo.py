@@ -85,8 +85,15 @@ def measure(
         medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
     step = sum(medians) / len(medians)
     print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step", flush=True)
-    run = {"mode": mode, "model": model, "accumulate": accumulate, "rep": rep, "step_s": step, "loadavg_1m": load}
-    return {**run, "processes": processes}
+    return {
+        "mode": mode,
+        "model": model,
+        "accumulate": accumulate,
+        "rep": rep,
+        "step_s": step,
+        "loadavg_1m": load,
+        "processes": processes,
+    }
 
 
 def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -201,13 +208,13 @@ def main() -> None:
         out = new_results_file(args.out, "zoo" if args.processes == PROCESSES else f"zoo-{args.processes}-process")
         runs: list[dict[str, Any]] = []
         record = {"machine": machine(), "loadavg_start": list(os.getloadavg()), "runs": runs}
-        with tempfile.TemporaryDirectory(prefix="lightning-ft-zoo-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="lightning-ft-zoo-") as scratch_dir:
+            scratch = Path(scratch_dir)
             for rep in range(args.repeats):
                 for model, accumulate in itertools.product(args.models, args.accumulate):
                     modes = ["ddp", *(m for m in args.modes if m != "ddp")]
                     order = modes if rep % 2 == 0 else modes[::-1]
-                    scratch_path = Path(scratch)
-                    runs.extend(measure(m, model, accumulate, rep, scratch_path, args.processes) for m in order)
+                    runs.extend(measure(m, model, accumulate, rep, scratch, args.processes) for m in order)
                     out.write_text(json.dumps({**record, "loadavg_end": list(os.getloadavg())}, indent=1))
         print(f"wrote {out}")
     if args.processes != PROCESSES:

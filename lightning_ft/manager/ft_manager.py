@@ -81,12 +81,12 @@ class FTManager(Manager):
         collective (``allreduce``) waits here first, so a state that cannot be loaded stops this replica before it
         exchanges anything with its peers."""
         started = time.monotonic()
+        quorum = self._quorum_future  # waiting does not replace it
         try:
-            quorum = self._quorum_future
             if quorum is not None and quorum.done() and not torch._C._autograd._profiler_enabled():
                 # The quorum is known: torchft's wait_quorum is exactly this call, inside a profiler range whose
-                # two torch ops (and GIL hand-overs) are paid on each of the several calls per step (every bucket
-                # hook, the vote, num_participants); without a profiler running there is no range to record.
+                # two torch ops are paid on each of the several calls per step (every bucket hook, the vote,
+                # num_participants); without a profiler running there is no range to record.
                 quorum.result()
             else:
                 super().wait_quorum()
@@ -94,7 +94,6 @@ class FTManager(Manager):
             waited = time.monotonic() - started
             for observer in self._quorum_observers:
                 observer.quorum_waited(waited)
-        quorum = self._quorum_future
         if quorum is not self._observed_quorum:  # torchft calls wait_quorum many times per quorum: report it once
             self._observed_quorum = quorum
             seen = QuorumSeen(
