@@ -9,6 +9,10 @@ keeps heartbeating, so the lighthouse counts the group as alive and the survivor
 So SIGTERM keeps Lightning's graceful path and adds a deadline that does not depend on the main thread: CPython's
 C-level signal handler writes the signal number to the wakeup fd at once, and a watcher thread reading it exits the
 process if it is still alive after the grace period. Nothing committed is lost: live peers hold the state.
+
+A process started by torchrun also asks for SIGTERM when its agent dies (:mod:`lightning_ft_job.parent_death`): an
+agent that is SIGKILLed, or that ends without stopping its workers, would otherwise leave them training on as a group
+that nobody supervises. They then end within the same grace.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from types import FrameType
 from typing import Any
 
 from lightning_ft_job import events
+from lightning_ft_job.parent_death import signal_on_parent_death
 
 SIGTERM_GRACE_SECONDS = 5.0
+ENV_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every process it starts
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -53,6 +59,8 @@ class SigtermDeadline:
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._write_fd = write_fd
         threading.Thread(target=self._watch, args=(read_fd,), name="lightning-ft-sigterm", daemon=True).start()
+        if ENV_TORCHRUN_RUN_ID in os.environ and (ask := signal_on_parent_death(signal.SIGTERM)) is not None:
+            ask(os.getppid())  # this process's torchrun agent; an agent gone already has meant SIGTERM just now
 
     def uninstall(self) -> None:
         if self._write_fd is None or threading.current_thread() is not threading.main_thread():
@@ -71,15 +79,20 @@ class SigtermDeadline:
             self._announce()  # the watcher may not have run yet: this exit must not lose the reason
             os._exit(128 + signum)
 
-    def _announce(self) -> None:
+    def _announce(self, wait_seconds: float = -1) -> None:
         """Say why this process is about to end, in the event log (which outlives a launcher whose pipe carried
-        this process's output) and on stderr. Once per process, whichever thread comes first; the other waits for it
-        (re-entrant, for a second SIGTERM arriving in the main thread while it announces)."""
-        with self._announce_lock:
+        this process's output) and on stderr. Once per process, whichever thread comes first; the other waits for it,
+        at most ``wait_seconds`` when given (re-entrant, for a second SIGTERM arriving in the main thread while it
+        announces)."""
+        if not self._announce_lock.acquire(timeout=wait_seconds):
+            return
+        try:
             if self._announced:
                 return
             self._announced = True
             self._write_announcement()
+        finally:
+            self._announce_lock.release()
 
     def _write_announcement(self) -> None:
         message = (
@@ -97,8 +110,10 @@ class SigtermDeadline:
                     with contextlib.suppress(OSError):
                         os.write(self._previous_wakeup_fd, data)
                 if signal.SIGTERM in data:
-                    self._announce()
-                    time.sleep(self.grace_seconds)
+                    # The deadline runs from the signal, whatever the announcement costs or waits for.
+                    deadline = time.monotonic() + self.grace_seconds
+                    self._announce(wait_seconds=self.grace_seconds)
+                    time.sleep(max(0.0, deadline - time.monotonic()))
                     os._exit(128 + signal.SIGTERM)
         finally:
             os.close(read_fd)

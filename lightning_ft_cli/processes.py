@@ -9,14 +9,12 @@ launcher runs to stop them (it was SIGKILLed).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from lightning_ft_job.parent_death import signal_on_parent_death
 
 
 def parent_pid(pid: int) -> int | None:
@@ -40,29 +38,20 @@ def children_of(pid: int) -> list[int]:
 
 
 def terminate_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when the process that starts it dies (Linux's
-    ``PR_SET_PDEATHSIG``); ``None`` where that does not exist.
+    """A ``preexec_fn`` that makes the child receive SIGTERM when the process that starts it dies
+    (:mod:`lightning_ft_job.parent_death`); ``None`` where that does not exist.
 
     The launcher hosts the lighthouse and relays its groups' output. If it is SIGKILLed (or killed by the OOM killer),
     no ``finally`` runs to stop its torchrun agents, which live in sessions of their own: without this they would train
     on against a lighthouse that is gone, with nobody reading their output. With it, each agent gets SIGTERM and stops
     its workers, which exit within their SIGTERM grace (see ``lightning_ft.signals``).
-
-    The libc function is looked up here, before the fork: the child only calls it (a preexec_fn must do as little
-    as possible, as other threads of the parent may hold locks at the fork).
     """
-    if not sys.platform.startswith("linux"):
+    ask = signal_on_parent_death(signal.SIGTERM)
+    if ask is None:
         return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
     parent = os.getpid()
 
-    def set_parent_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: no signal would come
-            os.kill(os.getpid(), signal.SIGTERM)
+    def end_with_the_launcher() -> None:
+        ask(parent)  # when the launcher is gone already, this process has been sent SIGTERM
 
-    return set_parent_death_signal
+    return end_with_the_launcher

@@ -76,6 +76,19 @@ def process_gone(pid: int) -> bool:
     return "State:\tZ" in status
 
 
+def describe_process(pid: int) -> str:
+    """One line on a live process for a failure message: its state, parent, kernel wait channel and command."""
+    try:
+        status = dict(
+            line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+        )
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return f"{pid}: gone"
+    return f"{pid}: state {status.get('State', '?')}, parent {status.get('PPid', '?')}, waits in {wchan}: {command}"
+
+
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
     """The (address, port) of every TCP socket that process ``pid`` listens on, from /proc (IPv4 and IPv6)."""
     inodes = set()

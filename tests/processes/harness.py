@@ -23,6 +23,7 @@ import torch
 # Re-exported: the process tests import these from the harness too.
 from support import REPO as REPO
 from support import assert_tree_equal as assert_tree_equal
+from support import describe_process as describe_process
 from support import listening_sockets as listening_sockets
 from support import process_gone as process_gone
 

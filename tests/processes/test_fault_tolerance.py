@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, process_gone
+from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, describe_process, process_gone
 from matrix import record
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -302,6 +302,42 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
            survivors=[other])  # fmt: skip
 
 
+def test_a_torchrun_agent_killed_its_workers_stop_within_a_bound_and_the_other_group_goes_on(launch):
+    """SIGKILL of one group's torchrun agent: none of its own shutdown runs, so nothing of torchrun stops its workers.
+    They get SIGTERM as their agent dies, say so in the event log and exit within their SIGTERM grace; they do not
+    train on as a group that nobody supervises. The other group commits on alone."""
+    job = launch(groups=2, nproc_per_group=2, worker_args=["--max-steps=100000", *GATES])
+    start_together(job, groups=2, nproc=2)
+    job.wait_for("every group to commit 3 steps", lambda: all(len(job.committed_steps(g)) >= 3 for g in (0, 1)))
+    workers = [job.started(1, rank) for rank in (0, 1)]
+    orphans = [record["pid"] for record in workers]
+    (agent,) = {record["ppid"] for record in workers}
+    killed_at, killed_at_wall = time.monotonic(), time.time()  # before the kill: its SIGTERMs come at once
+    os.kill(agent, signal.SIGKILL)
+    bound_s = 60  # SIGTERM grace (5 s) plus process exits on a loaded machine
+    try:
+        while not all(process_gone(pid) for pid in orphans):
+            left = [pid for pid in orphans if not process_gone(pid)]
+            assert time.monotonic() - killed_at < bound_s, (
+                f"still running {bound_s}s after their torchrun agent died:\n"
+                + "\n".join(describe_process(pid) for pid in left)
+                + f"\n{job.tail()}"
+            )
+            time.sleep(0.1)
+    finally:  # whatever the outcome, nothing this test started outlives it
+        for pid in orphans:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    told = {record["rank"] for record in job.events("sigterm", group=1) if record["time"] > killed_at_wall}
+    assert told == {0, 1}, f"group 1's workers that said why they stop: {told}"
+
+    def commits_alone() -> int:
+        steps = job.events("step", group=0, committed=True, participants=1)
+        return sum(1 for step in steps if step["time"] > killed_at_wall)
+
+    job.wait_for("group 0 to commit 3 steps on its own after the kill", lambda: commits_alone() >= 3)
+
+
 def test_the_launcher_hosting_the_lighthouse_killed_every_group_stops_within_a_bound(launch):
     """SIGKILL of ``lightning-ft launch``, which hosts the lighthouse and relays the groups' output: no ``finally`` of
     it runs. Each torchrun agent gets SIGTERM as its parent dies and stops its workers, which say so in the event log
@@ -319,7 +355,11 @@ def test_the_launcher_hosting_the_lighthouse_killed_every_group_stops_within_a_b
     try:
         while not all(process_gone(pid) for pid in started):
             left = [pid for pid in started if not process_gone(pid)]
-            assert time.monotonic() - killed_at < bound_s, f"still running {bound_s}s after the launcher died: {left}"
+            assert time.monotonic() - killed_at < bound_s, (
+                f"still running {bound_s}s after the launcher died:\n"
+                + "\n".join(describe_process(pid) for pid in left)
+                + f"\nworkers that said why they stop: {job.events('sigterm')}\n{job.tail()}"
+            )
             time.sleep(0.1)
     finally:  # whatever the outcome, nothing this test started outlives it
         for pid in started:

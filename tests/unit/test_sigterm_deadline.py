@@ -140,6 +140,33 @@ def test_the_deadline_holds_while_the_main_thread_is_stuck(
     assert exits.calls[0][:2] == (128 + signal.SIGTERM, WATCHER)
 
 
+def test_an_announcement_that_cannot_be_made_does_not_hold_up_the_exit(
+    deadline: Callable[..., SigtermDeadline], previous_handler: Recorder, exits: Exits
+) -> None:
+    """The announcement is one per process, under a lock that another thread may hold (the main thread, announcing
+    itself, stuck in a write): the watcher waits for it at most until the deadline, then exits unannounced."""
+    sigterm = deadline(GRACE)
+    sigterm.install()
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_announcement() -> None:
+        with sigterm._announce_lock:
+            held.set()
+            release.wait(timeout=10)
+
+    holder = threading.Thread(target=hold_the_announcement)
+    holder.start()
+    try:
+        assert held.wait(timeout=5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        exits.wait_for(1)
+        assert exits.calls[0][:2] == (128 + signal.SIGTERM, WATCHER)
+        assert holder.is_alive(), "the exit came only once the announcement was free again"
+    finally:
+        release.set()
+        holder.join(timeout=5)
+
+
 @pytest.mark.parametrize("before", [signal.SIG_DFL, None], ids=["SIG_DFL", "no-python-handler"])
 def test_with_no_previous_python_handler_the_handler_exits_at_once(
     deadline: Callable[..., SigtermDeadline], exits: Exits, monkeypatch: pytest.MonkeyPatch, before: Any
