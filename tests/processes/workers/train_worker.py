@@ -333,7 +333,12 @@ class TestGates(pl.Callback):
             except FileNotFoundError:
                 return False
 
-        if held():
+        stop = held()
+        if trainer.world_size > 1:
+            # Every rank of the group stops at this batch, or none: a rank that read a gate written a moment after its
+            # peer's read would go on into the next step's collectives and wait there, never reaching a batch end.
+            stop = trainer.strategy.broadcast(stop)
+        if stop:
             events.emit("paused", phase="from_step", step=trainer.global_step)
             self._wait(lambda: not held(), f"{from_step} to disappear or to name a later step")
 
