@@ -48,6 +48,7 @@ bench-semi-sync: $(STAMP)
 bench-zoo: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/zoo.py $(ARGS)
+	$(BIN)/python benchmarks/protocol_floor.py
 
 # Many groups (docs/benchmarks.md section 7): N = 2..16 real groups, kills at N = 4..16, 1,000 simulated groups
 # and k heals at once (about 30 minutes), then the plot of every kept run.
