@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from bench_model import SIZES, RegressionModule, SyntheticRegression
+from run_util import raw_torchft_manager
 
 # The same intra-op threads in every mode: torchrun sets OMP_NUM_THREADS=1 only with several processes per node.
 torch.set_num_threads(1)
@@ -146,10 +147,8 @@ def run_lightning(args: argparse.Namespace, out: Path) -> None:
 
 
 def run_torchft(args: argparse.Namespace, out: Path) -> None:
-    from torch.distributed import TCPStore
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
-    from torchft import Manager, ProcessGroupGloo
     from torchft.ddp import DistributedDataParallel
     from torchft.optim import OptimizerWrapper
 
@@ -157,19 +156,10 @@ def run_torchft(args: argparse.Namespace, out: Path) -> None:
     group = int(os.environ["REPLICA_GROUP_ID"])
     groups = int(os.environ["NUM_REPLICA_GROUPS"])
     model = size.build()
-    # torchft's Manager reads MASTER_ADDR/MASTER_PORT as a store *client*; with one process per group nothing hosts
-    # that store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so the group hosts its own, as lightning-ft does.
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        pg=ProcessGroupGloo(),
-        min_replica_size=1,
-        load_state_dict=lambda s: (model.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
+    manager = raw_torchft_manager(
+        f"bench_torchft_{group}",
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
-        replica_id=f"bench_torchft_{group}",
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
     )
     model = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters(), lr=1e-4))

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from run_util import LIGHTNING_FT, bench_env, machine, new_results_file, run_job
+from run_util import LIGHTNING_FT, bench_env, machine, new_results_file, raw_torchft_manager, run_job
 
 WARMUP_STEPS = 200
 MODES = ("ddp", "torchft", "quorum_vote")
@@ -64,22 +64,8 @@ def worker(mode: str, steps: int, out: Path) -> None:
             dist.all_reduce(value)
 
     else:
-        from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
-
         rank = int(os.environ["REPLICA_GROUP_ID"])
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        manager = Manager(
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            rank=0,
-            world_size=1,
-            pg=ProcessGroupGloo(),
-            min_replica_size=1,
-            load_state_dict=lambda state: None,
-            state_dict=lambda: {},
-            replica_id=f"protocol_floor_{rank}",
-        )
+        manager = raw_torchft_manager(f"protocol_floor_{rank}", state_dict=dict, load_state_dict=lambda state: None)
 
         def step() -> None:
             manager.start_quorum()

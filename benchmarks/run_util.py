@@ -86,6 +86,30 @@ def run_together(commands: list[tuple[list[str], Path]], limit: float) -> None:
                     process.wait()
 
 
+def raw_torchft_manager(replica_id: str, state_dict: Any, load_state_dict: Any) -> Any:
+    """A raw torchft ``Manager`` for a group of one process, as torchft's README builds it (benchmark workers that run
+    no lightning-ft code). torchft reads MASTER_ADDR/MASTER_PORT as a store *client*; with one process per group
+    nothing hosts that store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so the group hosts its own, as lightning-ft does.
+    The store is kept on the Manager (``bench_store``) for as long as it lives."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        pg=ProcessGroupGloo(),
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=replica_id,
+    )
+    manager.bench_store = store
+    return manager
+
+
 def tail(log: Path, lines: int = 20) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 

@@ -156,6 +156,23 @@ class LaunchedJob:
             timeout,
         )
 
+    def assert_gone_within(self, pids: list[int], since: float, bound_s: float, after: str) -> None:
+        """Wait until every process of ``pids`` has exited, failing ``bound_s`` seconds after ``since`` (monotonic)
+        with what each one left is doing. Whatever the outcome, none of them outlives the call (SIGKILL by PID)."""
+        try:
+            while not all(process_gone(pid) for pid in pids):
+                left = [pid for pid in pids if not process_gone(pid)]
+                assert time.monotonic() - since < bound_s, (
+                    f"still running {bound_s}s after {after}:\n"
+                    + "\n".join(describe_process(pid) for pid in left)
+                    + f"\nprocesses that said why they stop: {self.events('sigterm')}\n{self.tail()}"
+                )
+                time.sleep(0.1)
+        finally:
+            for pid in pids:
+                if not process_gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+
     def wait_exit(self, timeout: float = 240.0) -> int:
         try:
             return self.process.wait(timeout=timeout)

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, describe_process, process_gone
+from harness import LaunchedJob, assert_bit_identical, assert_listeners_confined, process_gone
 from matrix import record
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -314,20 +314,8 @@ def test_a_torchrun_agent_killed_its_workers_stop_within_a_bound_and_the_other_g
     (agent,) = {record["ppid"] for record in workers}
     killed_at, killed_at_wall = time.monotonic(), time.time()  # before the kill: its SIGTERMs come at once
     os.kill(agent, signal.SIGKILL)
-    bound_s = 60  # SIGTERM grace (5 s) plus process exits on a loaded machine
-    try:
-        while not all(process_gone(pid) for pid in orphans):
-            left = [pid for pid in orphans if not process_gone(pid)]
-            assert time.monotonic() - killed_at < bound_s, (
-                f"still running {bound_s}s after their torchrun agent died:\n"
-                + "\n".join(describe_process(pid) for pid in left)
-                + f"\n{job.tail()}"
-            )
-            time.sleep(0.1)
-    finally:  # whatever the outcome, nothing this test started outlives it
-        for pid in orphans:
-            if not process_gone(pid):
-                os.kill(pid, signal.SIGKILL)
+    # SIGTERM grace (5 s) plus process exits on a loaded machine
+    job.assert_gone_within(orphans, since=killed_at, bound_s=60, after="their torchrun agent died")
     told = {record["rank"] for record in job.events("sigterm", group=1) if record["time"] > killed_at_wall}
     assert told == {0, 1}, f"group 1's workers that said why they stop: {told}"
 
@@ -351,19 +339,7 @@ def test_the_launcher_hosting_the_lighthouse_killed_every_group_stops_within_a_b
     os.kill(job.process.pid, signal.SIGKILL)
     job.process.wait(timeout=10)
     killed_at = time.monotonic()
-    bound_s = 60  # SIGTERM grace (5 s) plus process exits on a loaded machine; torchrun's own grace is 30 s
-    try:
-        while not all(process_gone(pid) for pid in started):
-            left = [pid for pid in started if not process_gone(pid)]
-            assert time.monotonic() - killed_at < bound_s, (
-                f"still running {bound_s}s after the launcher died:\n"
-                + "\n".join(describe_process(pid) for pid in left)
-                + f"\nworkers that said why they stop: {job.events('sigterm')}\n{job.tail()}"
-            )
-            time.sleep(0.1)
-    finally:  # whatever the outcome, nothing this test started outlives it
-        for pid in started:
-            if not process_gone(pid):
-                os.kill(pid, signal.SIGKILL)
+    # SIGTERM grace (5 s) plus process exits on a loaded machine; torchrun's own grace is 30 s
+    job.assert_gone_within(started, since=killed_at, bound_s=60, after="the launcher died")
     told = {(record["group"], record["rank"]) for record in job.events("sigterm")}
     assert told == {(group, rank) for group in (0, 1) for rank in (0, 1)}, f"workers that said why they stop: {told}"
