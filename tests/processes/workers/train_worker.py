@@ -203,6 +203,7 @@ class TestGates(pl.Callback):
       event); rewritten with a later N, it moves the hold on. Written before a
       fault, it holds a fast survivor at a known step, where a gate touched after the fault might come too late.
       "N P R" stops only at a ``global_step`` >= N that is R modulo P (a step where no delayed sync is in flight).
+      In a group of several processes, rank 0's read decides for every rank of the group.
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
       batches before it (``paused`` event).
