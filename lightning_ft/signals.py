@@ -60,7 +60,9 @@ class SigtermDeadline:
         self._write_fd = write_fd
         threading.Thread(target=self._watch, args=(read_fd,), name="lightning-ft-sigterm", daemon=True).start()
         if ENV_TORCHRUN_RUN_ID in os.environ and (ask := signal_on_parent_death(signal.SIGTERM)) is not None:
-            ask(os.getppid())  # this process's torchrun agent; an agent gone already has meant SIGTERM just now
+            # The parent now is this process's torchrun agent, unless the agent died during this process's start-up
+            # (its parent is then init or a subreaper, which is not noticed here).
+            ask(os.getppid())
 
     def uninstall(self) -> None:
         if self._write_fd is None or threading.current_thread() is not threading.main_thread():
