@@ -28,10 +28,10 @@ from types import FrameType
 from typing import Any
 
 from lightning_ft_job import events
+from lightning_ft_job.environment import ENV_TORCHRUN_RUN_ID
 from lightning_ft_job.parent_death import signal_on_parent_death
 
 SIGTERM_GRACE_SECONDS = 5.0
-ENV_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every process it starts
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 

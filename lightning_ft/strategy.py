@@ -51,6 +51,7 @@ from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
 from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
 from lightning_ft_job import events
+from lightning_ft_job.environment import torchrun_restart_count
 
 _RUNS_A_MANAGER = (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING)
 # Constructor arguments that go to DDPStrategy as they are; every other one is lightning-ft's (configuration.py).
@@ -318,8 +319,9 @@ class FTStrategy(ShardedGroupHooks):
             add_default_callbacks(
                 trainer, semi_sync=self.algorithm.semi_sync, exactly_once=self.data_mode == "exactly_once"
             )
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-            events.emit("started", attempt=attempt, ppid=os.getppid(), replica_groups=self.num_replica_groups)
+            events.emit(
+                "started", attempt=torchrun_restart_count(), ppid=os.getppid(), replica_groups=self.num_replica_groups
+            )
             self._lifecycle.start_where_the_job_is(trainer, self._protocol, self._patches)
         self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
 

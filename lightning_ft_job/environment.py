@@ -7,6 +7,8 @@ so that both sides use one spelling and the launcher does not import Lightning t
 
 from __future__ import annotations
 
+import os
+
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
@@ -16,3 +18,11 @@ ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
 # How long a group waits for every group of the job to start before the job starts with those present (seconds).
 ENV_START_TIMEOUT = "LIGHTNING_FT_START_TIMEOUT"
+# Set by torchrun's agent in every process it starts.
+ENV_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
+ENV_TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def torchrun_restart_count() -> int:
+    """How many times torchrun has restarted this process's group: 0 in its first life, and outside torchrun."""
+    return int(os.environ.get(ENV_TORCHRUN_RESTART_COUNT, "0"))

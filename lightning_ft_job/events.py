@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from lightning_ft_job.environment import ENV_TORCHRUN_RUN_ID
+
 ENV_EVENTS_DIR = "LIGHTNING_FT_EVENTS_DIR"
 ENV_RUN_ID = "LIGHTNING_FT_RUN_ID"
 DEFAULT_SUBDIR = "ft_events"
@@ -58,7 +60,7 @@ def run_id() -> str:
     """The id of the run this process belongs to, the same in every group and restart of the run when the launcher
     gives one: ``LIGHTNING_FT_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder
     ``none``), else a new one for this fit."""
-    for variable in (ENV_RUN_ID, "TORCHELASTIC_RUN_ID"):
+    for variable in (ENV_RUN_ID, ENV_TORCHRUN_RUN_ID):
         value = os.environ.get(variable, "").strip()
         if value and value != "none":
             return value.replace(os.sep, "_")

@@ -44,11 +44,10 @@ from lightning_ft.callbacks._access import ft_manager, ft_settings
 from lightning_ft.manager.internals import cross_group_process_group, intercept_backend_works, process_group_timeout
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
-from lightning_ft_job.environment import ENV_REPLICA_GROUP_ID
+from lightning_ft_job.environment import ENV_REPLICA_GROUP_ID, torchrun_restart_count
 
 FAILURE_KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "stuck")
 FAILURE_MOMENTS = ("batch_start", "allreduce")
-ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 class InjectedFailure(RuntimeError):
@@ -131,7 +130,7 @@ class FailureInjector(Callback):
             return
         settings = ft_settings(trainer)
         group = settings.replica_group_id if settings is not None else int(os.environ.get(ENV_REPLICA_GROUP_ID, 0))
-        first_life = int(os.environ.get(ENV_RESTART_COUNT, "0")) == 0
+        first_life = torchrun_restart_count() == 0
         self._mine = [
             f
             for f in self.failures

@@ -8,7 +8,6 @@ every rank of a group acts alike.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ from lightning_ft.start.decision import (
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
+from lightning_ft_job.environment import torchrun_restart_count
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -77,7 +77,7 @@ class GroupLifecycle:
                     prefix=settings.replica_id_prefix,
                     lighthouse=settings.lighthouse,
                     start_timeout_s=settings.start_timeout.total_seconds(),
-                    attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    attempt=torchrun_restart_count(),
                     record=self.record,
                 )
             )
