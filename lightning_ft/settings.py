@@ -30,6 +30,9 @@ TransportName = Literal["http", "pg"]
 PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
 TRANSPORTS: tuple[str, ...] = ("http", "pg")
 WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
+# How buffers cross groups (lightning_ft.step.buffers).
+BufferSyncName = Literal["average", "off"]
+BUFFER_SYNC_MODES: tuple[str, ...] = ("average", "off")
 
 
 # Long enough for a scheduler to place a job's nodes one by one (and for Kubernetes to reschedule a pod after a node
@@ -86,6 +89,9 @@ class FTSettings:
     world_size_mode: str = "dynamic"
     # How long the first committed step waits for every group to start (lightning_ft.start.decision); 0: not at all.
     start_timeout: timedelta = timedelta(seconds=DEFAULT_START_TIMEOUT_S)
+    # "average": each vote averages the buffers' change over the job (lightning_ft.step.buffers); "off": each replica
+    # keeps its own.
+    buffer_sync: BufferSyncName = "average"
 
     @property
     def replica_id(self) -> str:
@@ -166,6 +172,7 @@ def resolve_settings(
     interface: str | None = None,
     world_size_mode: str = "dynamic",
     start_timeout: float | None = None,
+    buffer_sync: str = "average",
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -205,6 +212,11 @@ def resolve_settings(
             f"world_size_mode={world_size_mode!r}: choose one of {', '.join(WORLD_SIZE_MODES)} (fixed_with_spares: "
             f"exactly min_replica_size groups contribute, the rest are hot spares)."
         )
+    if buffer_sync not in BUFFER_SYNC_MODES:
+        raise FTConfigError(
+            f"buffer_sync={buffer_sync!r}: choose 'average' (every committed step averages the buffers' change over "
+            f"the job, so every replica holds the same BatchNorm statistics) or 'off' (each replica keeps its own)."
+        )
     hostname = _advertised_address(hostname, interface)
     start_timeout = _start_timeout(start_timeout)
 
@@ -231,6 +243,7 @@ def resolve_settings(
         ),
         world_size_mode=world_size_mode,
         start_timeout=timedelta(seconds=start_timeout),
+        buffer_sync=buffer_sync,  # type: ignore[arg-type]
     )
 
 

@@ -43,14 +43,20 @@ class IncompatibleReplicaError(RuntimeError):
     """A peer's training state does not fit this replica (other model, other optimizers). Never loaded silently."""
 
 
-def capture_training_state(trainer: pl.Trainer) -> dict[str, Any]:
+def capture_training_state(trainer: pl.Trainer, committed_buffers: dict[str, Any] | None = None) -> dict[str, Any]:
     """The state a peer needs to continue exactly where this replica is. Tensors are shared, not copied.
 
     Sharing is safe: torchft serves the staged state only until ``should_commit()``, which waits for every reader
-    before the optimizer is allowed to step.
+    before the optimizer is allowed to step. Buffers are another matter: the forward pass changes them while the
+    state is sent, so ``committed_buffers`` (:meth:`~lightning_ft.step.buffers.ModelBuffers.committed_state`) replace
+    the live ones that the model's state holds.
     """
+    model = trainer.lightning_module.state_dict()
+    for name, tensor in (committed_buffers or {}).items():
+        if name in model:  # persistent buffers only: the others are not part of the state
+            model[name] = tensor
     state = {
-        "model": trainer.lightning_module.state_dict(),
+        "model": model,
         "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),

@@ -47,6 +47,7 @@ from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.state import state_fingerprint
+from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
 from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
@@ -89,6 +90,8 @@ class FTStrategy(ShardedGroupHooks):
         interface: Advertise this network interface's IPv4 address instead (env ``LIGHTNING_FT_INTERFACE``).
         replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
         skip_non_finite_steps: Every replica skips a step whose averaged gradient has an inf or NaN.
+        buffer_sync: ``"average"``: every vote averages the buffers' change (BatchNorm statistics) over the job, so
+            every replica holds the same buffers; ``"off"``: each replica keeps its own (``docs/your-code.md``).
         lighthouse_outage_timeout: Seconds an external lighthouse may be unreachable (``None``: no limit).
         start_timeout: Seconds the first step waits for every group to start (``0``: none). Default: env
             ``LIGHTNING_FT_START_TIMEOUT``, else 300.
@@ -131,6 +134,7 @@ class FTStrategy(ShardedGroupHooks):
         interface: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
         skip_non_finite_steps: bool = True,
+        buffer_sync: str = "average",
         lighthouse_outage_timeout: float | None = 600.0,
         start_timeout: float | None = None,
         world_size_mode: str = "dynamic",
@@ -315,7 +319,7 @@ class FTStrategy(ShardedGroupHooks):
         )
         self._telemetry = FTTelemetry(self._handle.manager, self._handle.transport, self.num_replica_groups)
         if fitting and self._lifecycle is not None:
-            self._protocol = StepProtocol(self._handle.manager, self._telemetry)
+            self._protocol = StepProtocol(self._handle.manager, self._telemetry, self._model_buffers())
             add_default_callbacks(
                 trainer, semi_sync=self.algorithm.semi_sync, exactly_once=self.data_mode == "exactly_once"
             )
@@ -324,6 +328,18 @@ class FTStrategy(ShardedGroupHooks):
             )
             self._lifecycle.start_where_the_job_is(trainer, self._protocol, self._patches)
         self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
+
+    def _model_buffers(self) -> ModelBuffers | None:
+        """The model's buffers, averaged across the job at each vote, unless ``buffer_sync="off"``."""
+        if self.settings.buffer_sync == "off":
+            return None
+        assert self._handle is not None
+        return ModelBuffers(
+            self.lightning_module,
+            self._handle.manager,
+            group_size=self.world_size,
+            restore_on_reject=not self.algorithm.semi_sync,
+        )
 
     @override
     def setup_distributed(self) -> None:

@@ -66,6 +66,14 @@ def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
     return _required_part(trainer, "step_protocol", StepProtocol)
 
 
+def has_step_protocol(trainer: pl.Trainer) -> bool:
+    """Whether the strategy runs lightning-ft's step protocol (a stand-in strategy may not)."""
+    try:
+        return isinstance(getattr(trainer.strategy, "step_protocol", None), StepProtocol)
+    except RuntimeError:  # FTStrategy outside fitting
+        return False
+
+
 def ft_collectives(trainer: pl.Trainer) -> CrossGroupCollectives:
     return _required_part(trainer, "collectives", CrossGroupCollectives)
 

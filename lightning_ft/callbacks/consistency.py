@@ -1,4 +1,5 @@
-"""Replica consistency check: every N committed steps, replicas compare a fingerprint of their parameters.
+"""Replica consistency check: every N committed steps, replicas compare a fingerprint of their parameters and
+buffers.
 
 Replicas are meant to be bit-identical after every committed step. A bug, a bad heal, or silent data corruption on
 one machine breaks that without any error: the diverged replica keeps training and contributes gradients computed
@@ -25,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
-from lightning_ft.settings import FTConfigError
+from lightning_ft.settings import FTConfigError, FTSettings
+from lightning_ft.step.buffers import synced_buffers
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -51,7 +53,8 @@ def parameter_fingerprint(parameters: list[Tensor]) -> tuple[int, int]:
 
 
 class ReplicaConsistencyCheck(Callback):
-    """Every ``every_n_steps`` committed steps, compare every replica's parameter fingerprint across groups.
+    """Every ``every_n_steps`` committed steps, compare every replica's fingerprint of its parameters and buffers
+    (those that ``buffer_sync="average"`` keeps identical) across groups.
 
     The check runs at the end of the batch whose vote committed the step, on a quorum of its own (a sync section)
     among the groups that committed it. Not at the start of a step, on the step's quorum: with asynchronous quorum a
@@ -110,7 +113,7 @@ class ReplicaConsistencyCheck(Callback):
         self._checked_step = step
         settings = ft_settings(trainer)
         group = settings.replica_group_id if settings is not None else 0
-        total, squares = parameter_fingerprint(list(pl_module.parameters()))
+        total, squares = parameter_fingerprint(fingerprinted_tensors(pl_module, settings))
         mine = torch.tensor([group, trainer.global_rank, total, squares], dtype=torch.int64)
         collectives = ft_collectives(trainer)
         collectives.open_section()
@@ -125,7 +128,8 @@ class ReplicaConsistencyCheck(Callback):
         groups = sorted(diverged | undecided)
         events.emit("replica_diverged", step=step, groups=groups, majority=not undecided)
         message = (
-            f"lightning-ft: replica consistency check at committed step {step}: the parameters of replica group(s) "
+            f"lightning-ft: replica consistency check at committed step {step}: the parameters or buffers of "
+            f"replica group(s) "
             f"{groups} differ from "
             + ("the majority's" if not undecided else "each other's, and no majority can tell which is right")
             + " (a bug, a bad heal, or silent data corruption)."
@@ -138,6 +142,15 @@ class ReplicaConsistencyCheck(Callback):
                 message + " This group stops now so that it restarts and heals from a live peer "
                 "(ReplicaConsistencyCheck(on_divergence='heal'))."
             )
+
+
+def fingerprinted_tensors(module: pl.LightningModule, settings: FTSettings | None) -> list[Tensor]:
+    """The parameters, and the buffers that the job averages (``buffer_sync="average"``, the default): both are
+    meant to be bit-identical at every committed step. With ``buffer_sync="off"`` buffers differ by design."""
+    tensors = list(module.parameters())
+    if settings is None or settings.buffer_sync == "average":
+        tensors += [getattr(owner, attribute) for _, owner, attribute in synced_buffers(module)]
+    return tensors
 
 
 def _diverged_groups(rows: list[tuple[int, ...]]) -> tuple[set[int], set[int]]:

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_manager, ft_telemetry, is_semi_sync
+from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_step_protocol, is_semi_sync
 from lightning_ft.manager import FTManager
 from lightning_ft.state import (
     STATE_KEY,
@@ -35,6 +35,8 @@ class StateTransferCallback(Callback):
     counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
     arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
 
+    The model's buffers travel as the sender last committed them (:mod:`lightning_ft.step.buffers`).
+
     Each heal is timed: applying the state here, receiving it in the transport
     (:mod:`lightning_ft.manager.telemetry`). The ``healed`` event and the ``ft/heal_seconds`` metric carry both.
     """
@@ -48,12 +50,17 @@ class StateTransferCallback(Callback):
         # step counters from its own part of the payload.
         steps_follow_manager = not is_semi_sync(trainer)
 
+        buffers = ft_step_protocol(trainer).buffers if has_step_protocol(trainer) else None
+
         def save() -> dict[str, Any]:
-            return capture_training_state(trainer)
+            # The committed buffers: this group's forward pass may be changing the live ones while it sends.
+            return capture_training_state(trainer, buffers.committed_state() if buffers is not None else None)
 
         def load(state: dict[str, Any]) -> None:
             started = time.monotonic()
             apply_training_state(trainer, state)
+            if buffers is not None:
+                buffers.adopt()  # the buffers just received are the job's committed ones
             step = manager.current_step()
             if steps_follow_manager:
                 align_step_counters(trainer, step)

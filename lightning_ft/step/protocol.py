@@ -5,8 +5,9 @@ torchft's own ``torchft.Optimizer`` cannot be used under Lightning: it asserts t
 pass and only on accumulation boundaries. This module keeps the same protocol in a shape Lightning can drive:
 
 * :meth:`StepProtocol.open_quorum` at the first micro-batch of an optimizer step (idempotent while accumulating);
-* :meth:`StepProtocol.commit` once per step, after backward and the cross-group allreduce: torchft's
-  ``should_commit()`` vote. With manual optimization every optimizer of a batch shares the one decision;
+* :meth:`StepProtocol.commit` once per step, after backward and the cross-group allreduce: the buffers' average
+  (:mod:`lightning_ft.step.buffers`), then torchft's ``should_commit()`` vote, then the buffers settle on its outcome.
+  With manual optimization every optimizer of a batch shares the one decision;
 * :meth:`StepProtocol.close` when the batch that took the decision ends, so the next batch opens a new quorum.
 
 :class:`CommitGatedOptimizer` is the optimizer handed to Lightning's precision plugin. It lets the plugin run the
@@ -28,6 +29,7 @@ from torchft import Manager
 from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.start.decision import JobBehindCheckpointError
+from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -44,11 +46,16 @@ class StepProtocol:
         manager: The group's torchft Manager.
         telemetry: Told when a step opens its quorum and how each vote went, for the ``ft/`` metrics. Optional, so
             that the protocol works on its own.
+        buffers: The model's buffers, averaged across groups at each vote (:mod:`lightning_ft.step.buffers`);
+            ``None`` leaves them to each replica (``FTStrategy(buffer_sync="off")``).
     """
 
-    def __init__(self, manager: Manager, telemetry: FTTelemetry | None = None) -> None:
+    def __init__(
+        self, manager: Manager, telemetry: FTTelemetry | None = None, buffers: ModelBuffers | None = None
+    ) -> None:
         self.manager = manager
         self.telemetry = telemetry
+        self.buffers = buffers
         self._quorum_open = False
         self._decision: bool | None = None
         self.last_step_committed: bool | None = None
@@ -88,6 +95,8 @@ class StepProtocol:
             events.emit("joining", step=self.manager.current_step())
         if self.telemetry is not None:
             self.telemetry.step_started()
+        if self.buffers is not None:  # before the quorum: a peer healing in it is sent the committed buffers
+            self.buffers.begin_step()
         self.manager.start_quorum()
         self._quorum_open = True
         self.quorums_opened += 1
@@ -137,8 +146,12 @@ class StepProtocol:
                 ) from self.manager.errored().original_exception
             return self._decision
         self.require_quorum()
+        if self.buffers is not None:
+            self.buffers.average()
         self._abort_failed_process_group()
         self._record(self.manager.should_commit())
+        if self.buffers is not None:  # after the vote, which may have healed this replica's buffers
+            self.buffers.settle(self._decision)
         return self._decision
 
     def _abort_failed_process_group(self) -> None:
