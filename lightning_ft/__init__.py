@@ -23,6 +23,7 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
+from lightning_ft.data.job_shard import JobShard, job_shard
 from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
@@ -42,6 +43,7 @@ __all__ = [
     "Failure",
     "FailureInjector",
     "FaultToleranceMonitor",
+    "JobShard",
     "LighthouseUnavailableError",
     "LighthouseUnreachableError",
     "ManagerCheckpointCallback",
@@ -49,4 +51,5 @@ __all__ = [
     "ReplicaConsistencyCheck",
     "StateTransferCallback",
     "__version__",
+    "job_shard",
 ]

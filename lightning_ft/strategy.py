@@ -38,6 +38,7 @@ from lightning_ft.callbacks import add_default_callbacks
 from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
 from lightning_ft.configuration import resolve_configuration
 from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
+from lightning_ft.data.job_shard import JobShard, fit_sampler_to_job, forget_job_shard, publish_job_shard
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.hsdp.sharding import group_mesh
@@ -266,25 +267,38 @@ class FTStrategy(ShardedGroupHooks):
     @override
     def set_world_ranks(self) -> None:
         """Ranks stay group-local; Lightning's rank-zero rule (loggers, rank-zero messages) becomes job-wide: rank 0
-        of group 0 only, as global rank 0 in plain DDP (every group's rank 0 would share one logger directory)."""
+        of group 0 only, as global rank 0 in plain DDP (every group's rank 0 would share one logger directory). Data
+        code learns its job-wide shard from :func:`lightning_ft.job_shard`."""
         super().set_world_ranks()
-        job_rank = self.settings.replica_group_id * self.num_nodes * self.num_processes + self.global_rank
-        rank_zero_only.rank = utilities_rank_zero_only.rank = job_rank
+        shard = self.job_shard
+        rank_zero_only.rank = utilities_rank_zero_only.rank = shard.rank
+        publish_job_shard(shard)
+
+    @property
+    def job_shard(self) -> JobShard:
+        """This process among every process of the job: ``num_replica_groups × group size`` ranks, ordered by
+        group, then rank."""
+        group_size = self.num_nodes * self.num_processes
+        return JobShard(
+            rank=self.settings.replica_group_id * group_size + self.global_rank,
+            world_size=self.settings.num_replica_groups * group_size,
+        )
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data as one big world of ``num_replica_groups × group size`` ranks, ordered by group, then rank."""
-        group_size = self.num_nodes * self.num_processes
-        return {
-            "num_replicas": self.settings.num_replica_groups * group_size,
-            "rank": self.settings.replica_group_id * group_size + self.global_rank,
-        }
+        shard = self.job_shard
+        return {"num_replicas": shard.world_size, "rank": shard.rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """With exactly-once data, the training loader reads the samples the committed state assigns."""
+        """A user's ``DistributedSampler`` built for the group's world is re-sharded to the job's
+        (:func:`~lightning_ft.data.job_shard.fit_sampler_to_job`). With exactly-once data, the training loader reads
+        the samples the committed state assigns."""
         if not self._exactly_once.building_train_loader:
+            group = JobShard(rank=self.global_rank, world_size=self.world_size)
+            fit_sampler_to_job(dataloader, self.job_shard, group)
             return super().process_dataloader(dataloader)
         exactly_once = self._exactly_once
         return exactly_once.train_loader(dataloader, self.settings, self.world_size, self.global_rank, self.manager)
@@ -501,6 +515,7 @@ class FTStrategy(ShardedGroupHooks):
     @override
     def teardown(self) -> None:
         super().teardown()
+        forget_job_shard()
         self._sigterm_deadline.uninstall()
         self._patches.undo()
         self._collectives = None

@@ -26,3 +26,9 @@ ENV_TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 def torchrun_restart_count() -> int:
     """How many times torchrun has restarted this process's group: 0 in its first life, and outside torchrun."""
     return int(os.environ.get(ENV_TORCHRUN_RESTART_COUNT, "0"))
+
+
+# Set by FTStrategy in every process of a job (and so inherited by its DataLoader workers): this process's rank among
+# every process of every replica group, and their number (lightning_ft.data.job_shard).
+ENV_JOB_RANK = "LIGHTNING_FT_JOB_RANK"
+ENV_JOB_WORLD_SIZE = "LIGHTNING_FT_JOB_WORLD_SIZE"

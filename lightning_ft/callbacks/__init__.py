@@ -13,6 +13,8 @@
   resume.
 * :class:`ExactlyOnceDataCallback` takes its place with ``data_mode="exactly_once"``: it ends each epoch at the
   committed step that consumed its permutation, in every group alike.
+* :class:`DisjointDataCheck` compares the groups' first batches at the job's first step and warns when two groups
+  read the same samples.
 * :class:`FaultToleranceMonitor` logs the ``ft/`` metrics to the Trainer's loggers, shows ``replicas P/N`` in the
   progress bar, and records exceptions in the event log.
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from lightning_ft.callbacks.consistency import ReplicaConsistencyCheck, ReplicaDivergedError
 from lightning_ft.callbacks.data_position import DataPositionCallback
+from lightning_ft.callbacks.disjoint_data import DisjointDataCheck
 from lightning_ft.callbacks.exactly_once import ExactlyOnceDataCallback
 from lightning_ft.callbacks.failure_injector import Failure, FailureInjector, InjectedFailure
 from lightning_ft.callbacks.manager_checkpoint import ManagerCheckpointCallback
@@ -40,11 +43,12 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
 
     The data callback first: it records each step's starting position before the quorum callback (or, semi-
     synchronously, the sync callback) opens the quorum. FaultToleranceMonitor after the quorum callback: it reports
-    the step's vote.
+    the step's vote. DisjointDataCheck after the quorum callback too: it gathers on the step's quorum.
     """
     defaults = [
         ExactlyOnceDataCallback if exactly_once else DataPositionCallback,
         SyncCallback if semi_sync else QuorumCallback,
+        DisjointDataCheck,
         StateTransferCallback,
         ManagerCheckpointCallback,
         FaultToleranceMonitor,
@@ -55,6 +59,7 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
 
 __all__ = [
     "DataPositionCallback",
+    "DisjointDataCheck",
     "ExactlyOnceDataCallback",
     "Failure",
     "FailureInjector",

@@ -134,7 +134,9 @@ class ModelBuffers:
         before the heal still applies: with an asynchronous quorum the heal comes inside the vote, after it."""
         self._located = None  # the heal may have loaded a module whose buffers were reassigned
         buffers = self._buffers()
-        if self._committed is not None and self._matches(buffers):
+        if not buffers:
+            self._committed = []
+        elif self._committed is not None and self._matches(buffers):
             torch._foreach_copy_(self._committed, buffers)
         else:
             self._committed = [buffer.clone() for buffer in buffers]

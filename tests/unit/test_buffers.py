@@ -235,3 +235,15 @@ def test_a_semi_synchronous_sync_that_does_not_commit_leaves_buffers_as_they_are
     buffers.average()
     buffers.settle(committed)
     assert float(model.counter) == 2.0
+
+
+def test_a_model_without_buffers_costs_nothing_and_heals():
+    model = torch.nn.Linear(2, 2)
+    manager = FakeManager(ThreadSumGroup(1, fail=True), participants=2)  # any collective would fail the step
+    buffers = ModelBuffers(model, manager)  # type: ignore[arg-type]
+    buffers.adopt()
+    buffers.begin_step()
+    buffers.average()
+    buffers.settle(True)
+    assert manager.error is None
+    assert buffers.committed_state() == {}

@@ -23,10 +23,10 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 from torchmetrics import MeanSquaredError, SpearmanCorrCoef
 
-import lightning_ft  # noqa: F401  registers "ft"
+import lightning_ft  # registers "ft"
 from lightning_ft import FailureInjector, FTStrategy, ReplicaConsistencyCheck
 from lightning_ft.callbacks import SyncCallback
 from lightning_ft.manager.internals import cross_group_process_group, manager_client
@@ -41,9 +41,12 @@ class Regressor(pl.LightningModule):
         sync_train_log: bool = False,
         optimizer: str = "adamw",
         hidden: int = 32,
+        batchnorm: bool = False,
     ) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        # BatchNorm: buffers (running statistics) that each group's forward pass changes from its own batch
+        norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), *norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
         self.lr = lr
         self.optimizer_name = optimizer
         self.automatic_optimization = not manual
@@ -131,6 +134,43 @@ class IndexedDataset(Dataset):
         if state["replica_group"] != self.group:
             raise RuntimeError(f"group {self.group} was given group {state['replica_group']}'s loader state")
         events.emit("loader_state_loaded", replica_group=state["replica_group"])
+
+
+class ShardedStream(IterableDataset):
+    """An IterableDataset that shards its samples itself: by torch.distributed's rank and world size (which under
+    FTStrategy describe the group), or by ``lightning_ft.job_shard()`` (the job)."""
+
+    def __init__(self, inner: Dataset, by: str) -> None:
+        self.inner, self.by = inner, by
+
+    def __iter__(self):
+        if self.by == "job":
+            shard = lightning_ft.job_shard()
+            rank, world_size = shard.rank, shard.world_size
+        else:
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for index in range(rank, len(self.inner), world_size):
+            yield self.inner[index]
+
+
+class UserData(pl.LightningDataModule):
+    """Data code written for plain DDP, built where users build it (``train_dataloader``, after the process group
+    exists): ``sampler`` a ``DistributedSampler(dataset)`` of the user's own; ``rank-iterable`` and ``job-iterable``
+    a :class:`ShardedStream` by torch.distributed's rank or by the job's."""
+
+    def __init__(self, kind: str, train_data: Dataset, batch_size: int) -> None:
+        super().__init__()
+        self.kind, self.train_data, self.batch_size = kind, train_data, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        if self.kind == "sampler":
+            sampler = DistributedSampler(self.train_data, shuffle=True, seed=0)
+            return DataLoader(self.train_data, batch_size=self.batch_size, sampler=sampler)
+        by = {"rank-iterable": "torch", "job-iterable": "job"}[self.kind]
+        return DataLoader(ShardedStream(self.train_data, by), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(validation_dataset(), batch_size=self.batch_size)
 
 
 class RecordBatches(pl.Callback):
@@ -474,6 +514,11 @@ def main() -> None:
         metavar="G:W",
         help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
     )
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers)")
+    parser.add_argument("--buffer-sync", default=None, help="FTStrategy(buffer_sync=...): average or off")
+    parser.add_argument(
+        "--user-data", default=None, help="data code of the user's own: sampler, rank-iterable or job-iterable"
+    )
     parser.add_argument("--quorum-timeout", type=float, default=60, help="FTStrategy(quorum_timeout=...)")
     parser.add_argument("--min-replica-size", type=int, default=None, help="FTStrategy(min_replica_size=...)")
     parser.add_argument("--world-size-mode", default=None, help="FTStrategy(world_size_mode=...)")
@@ -530,6 +575,8 @@ def main() -> None:
         algorithm["start_timeout"] = args.start_timeout
     if args.data_mode is not None:
         algorithm["data_mode"] = args.data_mode
+    if args.buffer_sync is not None:
+        algorithm["buffer_sync"] = args.buffer_sync
     if args.find_unused_parameters is not None:
         algorithm["find_unused_parameters"] = bool(args.find_unused_parameters)
     if args.data_parallel != "ddp":  # only passed when set, as above
@@ -580,9 +627,18 @@ def main() -> None:
         odd_group, width = (int(part) for part in args.hidden_for_group.split(":"))
         hidden = width if group == odd_group else hidden
     model = Regressor(
-        lr=args.lr, manual=args.manual, sync_train_log=args.sync_train_log, optimizer=args.optimizer, hidden=hidden
+        lr=args.lr,
+        manual=args.manual,
+        sync_train_log=args.sync_train_log,
+        optimizer=args.optimizer,
+        hidden=hidden,
+        batchnorm=args.batchnorm,
     )
-    trainer.fit(model, loader, val_loader, ckpt_path="last" if args.resume else None)
+    resume = "last" if args.resume else None
+    if args.user_data is not None:
+        trainer.fit(model, datamodule=UserData(args.user_data, train_data, args.batch_size), ckpt_path=resume)
+    else:
+        trainer.fit(model, loader, val_loader, ckpt_path=resume)
     if args.evaluate_after:
         trainer.validate(model, val_loader)
         trainer.test(model, val_loader)
