@@ -233,3 +233,50 @@ def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
     run.fit(WithValidation(), loader(), loader(n=64))
     assert run.global_step == 6
     assert "val_loss" in run.callback_metrics
+
+
+class BatchNormRegressor(Regressor):
+    """A model with buffers: BatchNorm's running statistics change in every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+
+def test_uncommitted_step_changes_no_buffer():
+    """The rejected step's forward pass moved the running statistics; the step ends with them where they were."""
+    reject = RejectOneStep(index=3)
+    run = trainer(callbacks=[reject], max_steps=6)
+    run.fit(BatchNormRegressor(), loader())
+    for name in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
+        assert torch.equal(reject.before["params"][name], reject.after["params"][name]), name
+    assert int(run.lightning_module.net[1].num_batches_tracked) == 6, "one forward pass per committed step"
+
+
+class CaptureHealPayload(pl.Callback):
+    """At batch 2, after the forward pass (the running statistics have moved), take the state that the Manager
+    would send to a healing peer right now, and the model's buffers as they were at the batch start."""
+
+    def __init__(self) -> None:
+        self.at_batch_start: dict[str, torch.Tensor] = {}
+        self.sent: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            self.at_batch_start = {name: b.clone() for name, b in pl_module.named_buffers()}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == 2:
+            payload = trainer.strategy.manager._manager_state_dict()  # what torchft's send_checkpoint serves
+            self.sent = {name: payload["user"]["lightning"]["model"][name].clone() for name in self.at_batch_start}
+
+
+def test_a_healing_peer_is_sent_the_committed_buffers_not_those_the_forward_pass_is_changing():
+    capture = CaptureHealPayload()
+    run = trainer(callbacks=[capture], max_steps=4)
+    run.fit(BatchNormRegressor(), loader())
+    assert capture.sent, "the payload was not taken"
+    for name, before in capture.at_batch_start.items():
+        assert torch.equal(capture.sent[name], before), name
