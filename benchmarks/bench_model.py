@@ -22,11 +22,16 @@ class ModelSize:
     hidden: int
     blocks: int
     batch_size: int
+    batchnorm: bool = False  # a BatchNorm1d after every Linear: buffers that every forward pass changes
 
     def build(self) -> nn.Module:
         layers: list[nn.Module] = []
         for _ in range(self.blocks):
-            layers += [nn.Linear(self.width, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.width)]
+            if self.batchnorm:
+                layers += [nn.Linear(self.width, self.hidden), nn.BatchNorm1d(self.hidden), nn.ReLU()]
+                layers += [nn.Linear(self.hidden, self.width), nn.BatchNorm1d(self.width)]
+            else:
+                layers += [nn.Linear(self.width, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.width)]
         return nn.Sequential(*layers)
 
     @property
@@ -37,6 +42,8 @@ class ModelSize:
 SIZES = {
     "tiny": ModelSize(width=64, hidden=128, blocks=1, batch_size=16),  # cross-group costs dominate (scale.py)
     "1m": ModelSize(width=512, hidden=1024, blocks=1, batch_size=64),
+    # buffers.py: 1.06 M parameters and 6,152 buffer elements in 24 buffers (a BatchNorm after every Linear)
+    "1m_bn": ModelSize(width=256, hidden=512, blocks=4, batch_size=64, batchnorm=True),
     "50m": ModelSize(width=1024, hidden=4096, blocks=6, batch_size=32),
 }
 

@@ -58,7 +58,7 @@ class ShardedGroupHooks(DDPStrategy):
         if fitting:
             assert self.data_parallel.fsdp is not None and self._device_mesh is not None
             shard_module(self.lightning_module, self._device_mesh, self.data_parallel.fsdp)
-            hook = fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.require_quorum)
+            hook = fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.before_cross_group_allreduce)
             for fsdp_module in fsdp_modules(self.lightning_module):
                 fsdp_module.set_all_reduce_hook(hook)
             self.setup_optimizers(trainer)

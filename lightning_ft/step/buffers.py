@@ -33,8 +33,14 @@ while it sends (see :meth:`ModelBuffers.committed_state`); a group that does not
 it is a spare) contributes no change and receives the average. Buffers that are neither floating point nor integer
 (``bool``, complex) are left to each replica.
 
-The cost per step: two copies of the buffers, one float64 allreduce of their size before the vote
-(``docs/benchmarks.md``). Nothing at all for a model without buffers.
+When: the buffers are read, and their allreduce starts, when the step's backward pass hands its first gradient
+to the cross-group hook (every forward pass of the step is done by then), so the allreduce overlaps the rest of the
+backward pass; the vote waits for it. Without a gradient hook (no gradients, a semi-synchronous sync) it runs at the
+vote. A forward pass after that point (manual optimization) is not lost: its change stays on the replica and is part
+of the next vote's change.
+
+The cost per step: a handful of fused operations over one flat float64 copy of the buffers and one allreduce of
+their size, overlapped with the backward pass (``docs/benchmarks.md``). Nothing at all for a model without buffers.
 """
 
 from __future__ import annotations
@@ -71,13 +77,16 @@ def synced_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
 class ModelBuffers:
     """The committed buffers of one process's model, and the average of their changes at each vote.
 
+    The committed buffers are held as one flat float64 tensor (exact for every float32, float16, bfloat16 and integer
+    value below 2**53), floating-point buffers first, so that each step's arithmetic is a few fused operations.
+
     Args:
-        module: The LightningModule (its buffers are read by name at every step: a buffer reassigned in the forward
-            pass is followed).
+        module: The LightningModule (its buffers are read by owner and attribute at every step: a buffer reassigned in
+            the forward pass is followed).
         manager: The group's torchft Manager, for the cross-group sum and the step's participants.
         group_size: The processes of this replica group; with more than one, the changes are summed inside the group
-            first (on the group's default process group), so that every process of the job ends the step with the
-            same buffers.
+            first (``group_sum``, the group's default process group), so that every process of the job ends the step
+            with the same buffers.
         restore_on_reject: Return to the committed buffers when a vote does not commit (per-step training); ``False``
             for the syncs of a semi-synchronous algorithm, which leave local state alone.
     """
@@ -96,110 +105,168 @@ class ModelBuffers:
         self.restore_on_reject = restore_on_reject
         self._group_sum = group_sum or (lambda tensor: dist.all_reduce(tensor))
         self._located: list[tuple[str, torch.nn.Module, str]] | None = None
-        self._committed: list[Tensor] | None = None
-        self._averaged: Tensor | None = None
+        self._layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self._integers = 0  # where the integer buffers start in the flat tensors
+        self._committed: Tensor | None = None  # flat float64: the buffers as the job last agreed on them
+        self._captured: Tensor | None = None  # flat float64: the buffers when this step's average started
+        self._changes: Tensor | None = None  # captured - committed, summed over the job once the allreduce is done
+        self._pending: torch.futures.Future | None = None
+        self._divisor = 1
+        self._averaged = False
+        self._started = False  # this step's average has started (the buffers were read into _captured)
+        self._healed_since_capture = False
+        self._late: Tensor | None = None  # flat float64 scratch: what changed after the average started
+        self._view_cache: dict[int, tuple[Tensor, list[Tensor]]] = {}
 
     # ------------------------------------------------------------------ reading the model
-    def _buffers(self) -> list[Tensor]:
+    def _locate(self) -> list[tuple[str, torch.nn.Module, str]]:
         if self._located is None:
-            self._located = synced_buffers(self.module)
-        buffers = [getattr(owner, attribute) for _, owner, attribute in self._located]
-        return [buffer.detach() for buffer in buffers]
+            found = synced_buffers(self.module)
+            floating = [entry for entry in found if getattr(entry[1], entry[2]).is_floating_point()]
+            self._located = floating + [entry for entry in found if entry not in floating]
+            self._integers = sum(getattr(owner, attribute).numel() for _, owner, attribute in floating)
+        return self._located
+
+    def _buffers(self) -> list[Tensor]:
+        return [getattr(owner, attribute).detach() for _, owner, attribute in self._locate()]
 
     @property
     def names(self) -> list[str]:
-        """The qualified names of the averaged buffers."""
-        if self._located is None:
-            self._located = synced_buffers(self.module)
-        return [name for name, _, _ in self._located]
+        """The qualified names of the averaged buffers, in the order of the flat tensors."""
+        return [name for name, _, _ in self._locate()]
 
-    def _matches(self, buffers: list[Tensor]) -> bool:
-        committed = self._committed
-        return committed is not None and all(
-            b.shape == c.shape and b.dtype == c.dtype and b.device == c.device
-            for b, c in zip(buffers, committed, strict=True)
-        )
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        cached = self._view_cache.get(id(flat))
+        if cached is not None and cached[0] is flat:
+            return cached[1]
+        views, offset = [], 0
+        for shape, _, _ in self._layout:
+            numel = shape.numel()
+            views.append(flat[offset : offset + numel].view(shape))
+            offset += numel
+        if flat is self._committed or flat is self._captured or flat is self._late:  # the flat tensors kept
+            self._view_cache[id(flat)] = (flat, views)
+        return views
+
+    def _read(self, buffers: list[Tensor], into: Tensor) -> None:
+        """Copy ``buffers`` into the flat float64 ``into``, checking that they still have their layout."""
+        layout = [(b.shape, b.dtype, b.device) for b in buffers]
+        if layout != self._layout:
+            raise RuntimeError(
+                f"lightning-ft: the model's buffers changed shape, dtype or device during training "
+                f"({', '.join(self.names)}); buffer_sync='average' needs them fixed. Create buffers at their final "
+                f"shape in __init__, or set FTStrategy(buffer_sync='off')."
+            )
+        torch._foreach_copy_(self._views(into), buffers)
+
+    def _write(self, flat: Tensor, buffers: list[Tensor]) -> None:
+        torch._foreach_copy_(buffers, self._views(flat))  # rounds to each buffer's dtype once
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
         """Take the committed buffers from the model if none are held yet (this process's first step). Called before
         the step's quorum starts: a peer that heals from this group in that quorum is sent these."""
-        if self._committed is not None:
-            return
-        buffers = self._buffers()
-        self._committed = [buffer.clone() for buffer in buffers] if buffers else []
+        if self._committed is None:
+            self.adopt()
 
     def adopt(self) -> None:
         """The model's buffers are the job's committed buffers now (a heal just loaded them). A step's average taken
         before the heal still applies: with an asynchronous quorum the heal comes inside the vote, after it."""
         self._located = None  # the heal may have loaded a module whose buffers were reassigned
         buffers = self._buffers()
+        self._layout = [(b.shape, b.dtype, b.device) for b in buffers]
         if not buffers:
-            self._committed = []
-        elif self._committed is not None and self._matches(buffers):
-            torch._foreach_copy_(self._committed, buffers)
-        else:
-            self._committed = [buffer.clone() for buffer in buffers]
+            self._committed = torch.empty(0, dtype=torch.float64)
+            return
+        total = sum(b.numel() for b in buffers)
+        if self._committed is None or self._committed.numel() != total:
+            self._view_cache.clear()
+            self._committed = torch.empty(total, dtype=torch.float64, device=buffers[0].device)
+            self._late = torch.empty_like(self._committed)
+        self._read(buffers, self._committed)
+        self._healed_since_capture = self._started
 
-    def average(self) -> None:
-        """Before the vote: the job-wide mean change since the committed buffers. A failure is reported to the
-        Manager, so the vote says no; nothing raises."""
-        self._averaged = None
-        if not self._committed:
+    def start_average(self) -> None:
+        """Read the buffers and start summing their change over the job, once per step: at the backward pass's first
+        cross-group gradient (every forward pass of the step is done), or at the vote. Nothing raises for a
+        cross-group failure: it is reported to the Manager, so the vote says no."""
+        committed = self._committed
+        if committed is None or not committed.numel() or self._started:
             return
         manager = self.manager
         if manager.errored() is not None:  # the step is lost already
             return
-        buffers = self._buffers()
-        if not self._matches(buffers):
-            raise RuntimeError(
-                f"lightning-ft: the model's buffers changed shape, dtype or device during training "
-                f"({', '.join(self.names)}); buffer_sync='average' needs them fixed. Create buffers at their final "
-                f"shape in __init__, or set FTStrategy(buffer_sync='off')."
-            )
-        pairs = zip(buffers, self._committed, strict=True)
-        changes = torch.cat([(b.to(torch.float64) - c.to(torch.float64)).reshape(-1) for b, c in pairs])
+        self._started = True
+        if self._captured is None or self._captured.numel() != committed.numel():
+            self._captured = torch.empty_like(committed)
+        self._read(self._buffers(), self._captured)
+        # A new tensor each step: a failed allreduce may still be writing the previous one.
+        changes = self._changes = torch.sub(self._captured, committed)
         if self.group_size > 1:  # the group is the unit of failure: an error here stops it, as in DDP
             self._group_sum(changes)
-        divisor = self.group_size * manager.num_participants()  # waits for the quorum
+        self._divisor = self.group_size * manager.num_participants()  # waits for the quorum
         if not manager.is_participating():  # healing or a spare: it receives the average, it adds nothing
             changes.zero_()
         try:
-            work = cross_group_process_group(manager).allreduce([changes], _SUM)
-            future = work.get_future()
+            future = cross_group_process_group(manager).allreduce([changes], _SUM).get_future()
             if not crosses_groups_over_gloo(manager):  # Gloo's own timeout bounds it; others get the Manager's
                 future = manager.wrap_future(future, default=None)
-            future.wait()
+            self._pending = future
         except Exception as error:
-            if manager.errored() is None:
-                log.warning("lightning-ft: the cross-group buffer average failed; this step will not commit: %s", error)
-            manager.report_error(error)
+            _report(manager, error)
+
+    def average(self) -> None:
+        """Before the vote: start the average if the backward pass did not, and wait for it."""
+        self.start_average()
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        if manager.errored() is None:
-            self._averaged = changes.div_(divisor)
+        try:
+            pending.wait()
+        except Exception as error:
+            _report(self.manager, error)
+            return
+        if self.manager.errored() is None and self._changes is not None:
+            self._changes.div_(self._divisor)
+            self._changes[self._integers :].floor_()  # the same integer everywhere (exact when the changes agree)
+            self._averaged = True
 
     def settle(self, committed: bool) -> None:
-        """After the vote: a committed step sets every buffer to committed + mean change, and that becomes the
-        committed buffers; a step that did not commit returns to the committed buffers (``restore_on_reject``)."""
-        averaged, self._averaged = self._averaged, None
-        if not self._committed:
+        """After the vote: a committed step sets the committed buffers to committed + mean change, and the model's
+        buffers to that plus whatever this replica changed after the average started (a forward pass after it, in
+        manual optimization; nothing after a heal, which replaced them); a step that did not commit returns to the
+        committed buffers (``restore_on_reject``)."""
+        averaged, started, changes = self._averaged, self._started, self._changes
+        healed, self._healed_since_capture = self._healed_since_capture, False
+        self._averaged, self._started, self._changes, self._pending = False, False, None, None
+        if self._committed is None or not self._committed.numel():
             return
         buffers = self._buffers()
-        if committed and averaged is not None:
-            offset = 0
-            for buffer, before in zip(buffers, self._committed, strict=True):
-                change = averaged[offset : offset + buffer.numel()].view(buffer.shape)
-                offset += buffer.numel()
-                if not buffer.is_floating_point():
-                    change = change.floor()  # the same integer in every replica (exact when the changes agree)
-                buffer.copy_(before.to(torch.float64) + change)
-            torch._foreach_copy_(self._committed, buffers)
+        if committed and averaged and started and changes is not None:
+            late = self._late if not healed else None
+            if late is not None and self._captured is not None:
+                self._read(buffers, late)
+                late.sub_(self._captured)
+            self._committed.add_(changes)
+            # Round once to the buffers' dtypes and keep exactly that: a group that heals from this one adopts what
+            # the buffers hold, and the next step's changes must be taken from the same values in every group.
+            self._write(self._committed, buffers)
+            self._read(buffers, self._committed)
+            if late is not None:
+                self._write(late.add_(self._committed), buffers)
         elif not committed and self.restore_on_reject:
-            torch._foreach_copy_(buffers, self._committed)
+            self._write(self._committed, buffers)
 
     def committed_state(self) -> dict[str, Tensor]:
-        """The committed buffers by state-dict name (persistent or not; the caller keeps those its state holds):
+        """The committed buffers by state-dict name, in their own dtypes (the caller keeps those its state holds):
         what a healing peer receives instead of buffers that this process's forward pass may be changing."""
-        if not self._committed:
+        if self._committed is None or not self._committed.numel():
             return {}
-        return dict(zip(self.names, self._committed, strict=True))
+        views = self._views(self._committed)
+        return {name: view.to(dtype) for name, view, (_, dtype, _) in zip(self.names, views, self._layout, strict=True)}
+
+
+def _report(manager: Manager, error: Exception) -> None:
+    if manager.errored() is None:
+        log.warning("lightning-ft: the cross-group buffer average failed; this step will not commit: %s", error)
+    manager.report_error(error)

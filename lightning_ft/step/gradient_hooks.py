@@ -197,7 +197,7 @@ def install_ddp_cross_group_hook(
         manager=manager,
         group=None,
         group_world_size=group_size,
-        before_allreduce=protocol.require_quorum,
+        before_allreduce=protocol.before_cross_group_allreduce,
         needs_manager_timeout=not gloo,
     )
     model.register_comm_hook(state, ft_allreduce_hook)

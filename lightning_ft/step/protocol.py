@@ -131,6 +131,15 @@ class StepProtocol:
                 "trainer.strategy.start_quorum() at the first micro-batch of each optimizer step."
             )
 
+    def before_cross_group_allreduce(self) -> None:
+        """Called by the gradient hooks before each cross-group allreduce of the backward pass: the quorum must be
+        open, and the first one starts the buffers' average (every forward pass of the step is done by then), so that
+        it overlaps the rest of the backward pass. Not after the vote (a manual-optimization backward pass that
+        follows the decision): a step averages its buffers once."""
+        self.require_quorum()
+        if self.buffers is not None and self._decision is None:
+            self.buffers.start_average()
+
     def commit(self) -> bool:
         """torchft's commit vote, taken once per step. Later calls in the same batch reuse the decision.
 
