@@ -120,10 +120,16 @@ class ModelBuffers:
 
     # ------------------------------------------------------------------ reading the model
     def _locate(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """The averaged buffers, floating point first (the integer ones are floored after the average)."""
         if self._located is None:
             found = synced_buffers(self.module)
-            floating = [entry for entry in found if getattr(entry[1], entry[2]).is_floating_point()]
-            self._located = floating + [entry for entry in found if entry not in floating]
+
+            def kind(entry: tuple[str, torch.nn.Module, str]) -> tuple[bool, str]:
+                buffer = getattr(entry[1], entry[2])
+                return not buffer.is_floating_point(), str(buffer.dtype)
+
+            self._located = sorted(found, key=kind)  # stable: named_buffers() order within a dtype
+            floating = [entry for entry in self._located if not kind(entry)[0]]
             self._integers = sum(getattr(owner, attribute).numel() for _, owner, attribute in floating)
         return self._located
 
@@ -136,6 +142,7 @@ class ModelBuffers:
         return [name for name, _, _ in self._locate()]
 
     def _views(self, flat: Tensor) -> list[Tensor]:
+        """One view of ``flat`` per buffer (computed once per flat tensor kept)."""
         cached = self._view_cache.get(id(flat))
         if cached is not None and cached[0] is flat:
             return cached[1]
@@ -144,23 +151,25 @@ class ModelBuffers:
             numel = shape.numel()
             views.append(flat[offset : offset + numel].view(shape))
             offset += numel
-        if flat is self._committed or flat is self._captured or flat is self._late:  # the flat tensors kept
+        if any(flat is kept for kept in (self._committed, self._captured, self._late)):
             self._view_cache[id(flat)] = (flat, views)
         return views
 
-    def _read(self, buffers: list[Tensor], into: Tensor) -> None:
-        """Copy ``buffers`` into the flat float64 ``into``, checking that they still have their layout."""
-        layout = [(b.shape, b.dtype, b.device) for b in buffers]
-        if layout != self._layout:
+    def _check_layout(self, buffers: list[Tensor]) -> None:
+        if [(b.shape, b.dtype, b.device) for b in buffers] != self._layout:
             raise RuntimeError(
                 f"lightning-ft: the model's buffers changed shape, dtype or device during training "
                 f"({', '.join(self.names)}); buffer_sync='average' needs them fixed. Create buffers at their final "
                 f"shape in __init__, or set FTStrategy(buffer_sync='off')."
             )
+
+    def _read(self, buffers: list[Tensor], into: Tensor) -> None:
+        """Copy ``buffers`` into the flat float64 ``into`` (one fused copy)."""
         torch._foreach_copy_(self._views(into), buffers)
 
     def _write(self, flat: Tensor, buffers: list[Tensor]) -> None:
-        torch._foreach_copy_(buffers, self._views(flat))  # rounds to each buffer's dtype once
+        """Copy the flat float64 ``flat`` into ``buffers``, rounding to each buffer's dtype once (one fused copy)."""
+        torch._foreach_copy_(buffers, self._views(flat))
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
@@ -183,6 +192,7 @@ class ModelBuffers:
             self._view_cache.clear()
             self._committed = torch.empty(total, dtype=torch.float64, device=buffers[0].device)
             self._late = torch.empty_like(self._committed)
+            self._captured = None
         self._read(buffers, self._committed)
         self._healed_since_capture = self._started
 
@@ -199,7 +209,9 @@ class ModelBuffers:
         self._started = True
         if self._captured is None or self._captured.numel() != committed.numel():
             self._captured = torch.empty_like(committed)
-        self._read(self._buffers(), self._captured)
+        buffers = self._buffers()
+        self._check_layout(buffers)
+        self._read(buffers, self._captured)
         # A new tensor each step: a failed allreduce may still be writing the previous one.
         changes = self._changes = torch.sub(self._captured, committed)
         if self.group_size > 1:  # the group is the unit of failure: an error here stops it, as in DDP
