@@ -95,9 +95,39 @@ def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(optimizer_state)
     for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
         config.scheduler.load_state_dict(scheduler_state)
+    scale_before = _loss_scale(trainer)
     trainer.precision_plugin.load_state_dict(state["precision"])
+    _rescale_unscaled_gradients(trainer, scale_before, _loss_scale(trainer))
     trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
     lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": state["callbacks"]})
+
+
+def _loss_scale(trainer: pl.Trainer) -> float | None:
+    """GradScaler's current loss scale (``16-mixed``), or ``None`` without one."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
+
+
+def _rescale_unscaled_gradients(trainer: pl.Trainer, before: float | None, after: float | None) -> None:
+    """Make the step's gradients unscaled by the loss scale just received, not the one this replica had.
+
+    With an asynchronous quorum a group heals inside the commit vote, after GradScaler has unscaled the step's
+    averaged gradient by this group's own (stale) scale. The gradient was scaled by the participants' scale, which
+    the heal just loaded: the peers divide by that one, so this replica must too, or it applies another update. Loss
+    scales are powers of two, so the correction is exact. (Before the forward pass, with a synchronous quorum, the
+    gradients present are the previous step's, which are zeroed before use: the correction changes nothing there.)
+    """
+    if before is None or after is None or before == after:
+        return
+    factor = before / after
+    with torch.no_grad():
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(factor)
 
 
 def _from_local_shards(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from lightning_ft.state import state_fingerprint
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
+from lightning_ft.step.modes import check_optimizers
 from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
 from lightning_ft_job import events
 from lightning_ft_job.environment import torchrun_restart_count
@@ -353,6 +354,7 @@ class FTStrategy(ShardedGroupHooks):
             self._handle.manager,
             group_size=self.world_size,
             restore_on_reject=not self.algorithm.semi_sync,
+            at_batch_end=not self.algorithm.semi_sync and not self.lightning_module.automatic_optimization,
         )
 
     @override
@@ -379,6 +381,7 @@ class FTStrategy(ShardedGroupHooks):
         else:
             super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            check_optimizers(self.optimizers, semi_sync=self.algorithm.semi_sync)
             if self.algorithm.semi_sync:  # LR schedulers follow inner steps, which always happen
                 warn_unsynced_tail(self.algorithm, trainer.max_steps)
             else:

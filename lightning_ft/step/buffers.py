@@ -33,11 +33,14 @@ while it sends (see :meth:`ModelBuffers.committed_state`); a group that does not
 it is a spare) contributes no change and receives the average. Buffers that are neither floating point nor integer
 (``bool``, complex) are left to each replica.
 
-When: the buffers are read, and their allreduce starts, when the step's backward pass hands its first gradient
-to the cross-group hook (every forward pass of the step is done by then), so the allreduce overlaps the rest of the
-backward pass; the vote waits for it. Without a gradient hook (no gradients, a semi-synchronous sync) it runs at the
-vote. A forward pass after that point (manual optimization) is not lost: its change stays on the replica and is part
-of the next vote's change.
+When: with automatic optimization the buffers are read, and their allreduce starts, when the step's backward pass
+hands its first gradient to the cross-group hook (every forward pass of the step is done by then), so the allreduce
+overlaps the rest of the backward pass; the vote waits for it. Without a gradient hook (no gradients, a
+semi-synchronous sync) it runs at the vote. A change after that point (a callback's, after the vote) is not lost: it
+is part of the next vote's change. With manual optimization, where a forward pass may follow the first optimizer's
+step (a GAN's second player), the average is taken at the end of the batch instead, after the vote, in every group of
+the quorum; a failure there, after a positive decision, stops the group so that it heals, as the later optimizers'
+gradient allreduces of such a batch already do.
 
 The cost per step: a handful of fused operations over one flat float64 copy of the buffers and one allreduce of
 their size, overlapped with the backward pass (``docs/benchmarks.md``). Nothing at all for a model without buffers.
@@ -89,6 +92,8 @@ class ModelBuffers:
             with the same buffers.
         restore_on_reject: Return to the committed buffers when a vote does not commit (per-step training); ``False``
             for the syncs of a semi-synchronous algorithm, which leave local state alone.
+        at_batch_end: Average at the end of the batch, after its vote (manual optimization: a forward pass may follow
+            the first optimizer's step, and its change belongs to the same committed step); else before the vote.
     """
 
     def __init__(
@@ -98,8 +103,10 @@ class ModelBuffers:
         group_size: int = 1,
         restore_on_reject: bool = True,
         group_sum: Callable[[Tensor], None] | None = None,
+        at_batch_end: bool = False,
     ) -> None:
         self.module = module
+        self.at_batch_end = at_batch_end
         self.manager = manager
         self.group_size = group_size
         self.restore_on_reject = restore_on_reject

@@ -137,7 +137,7 @@ class StepProtocol:
         it overlaps the rest of the backward pass. Not after the vote (a manual-optimization backward pass that
         follows the decision): a step averages its buffers once."""
         self.require_quorum()
-        if self.buffers is not None and self._decision is None:
+        if self.buffers is not None and self._decision is None and not self.buffers.at_batch_end:
             self.buffers.start_average()
 
     def commit(self) -> bool:
@@ -148,20 +148,24 @@ class StepProtocol:
         the group restarts and heals from a live peer.
         """
         if self._decision is not None:
-            if self._decision and self.manager.errored() is not None:
-                raise RuntimeError(
-                    "lightning-ft: a cross-group collective failed after this batch's commit decision. Stopping this "
-                    "replica group so that it restarts and heals instead of diverging from its peers."
-                ) from self.manager.errored().original_exception
+            self._stop_if_failed_after_commit()
             return self._decision
         self.require_quorum()
-        if self.buffers is not None:
-            self.buffers.average()
+        buffers = self.buffers if self.buffers is not None and not self.buffers.at_batch_end else None
+        if buffers is not None:
+            buffers.average()
         self._abort_failed_process_group()
         self._record(self.manager.should_commit())
-        if self.buffers is not None:  # after the vote, which may have healed this replica's buffers
-            self.buffers.settle(self._decision)
+        if buffers is not None:  # after the vote, which may have healed this replica's buffers
+            buffers.settle(self._decision)
         return self._decision
+
+    def _stop_if_failed_after_commit(self) -> None:
+        if self._decision and self.manager.errored() is not None:
+            raise RuntimeError(
+                "lightning-ft: a cross-group collective failed after this batch's commit decision. Stopping this "
+                "replica group so that it restarts and heals instead of diverging from its peers."
+            ) from self.manager.errored().original_exception
 
     def _abort_failed_process_group(self) -> None:
         """After a failed cross-group collective, abort the process group before the vote, closing its connections.
@@ -218,9 +222,19 @@ class StepProtocol:
         self.sync_in_flight = False
 
     def close(self) -> None:
-        """End the step whose decision was taken; the next batch opens a new quorum."""
+        """End the step whose decision was taken; the next batch opens a new quorum.
+
+        With buffers averaged at the batch end (manual optimization, where forward passes may follow the vote), the
+        average is taken here, in every group of the quorum whatever its vote, and applied if the step committed. A
+        failure after a positive decision stops the group, as any cross-group collective after the decision does.
+        """
         if self._decision is None:
             return
+        if self.buffers is not None and self.buffers.at_batch_end:
+            self.buffers.average()
+            failed = self.manager.errored() is not None
+            self.buffers.settle(self._decision and not failed)
+            self._stop_if_failed_after_commit()
         self.release()
 
 

@@ -8,10 +8,17 @@
 * An ``IterableDataset`` that shards by ``lightning_ft.job_shard()`` reads disjoint samples; one that shards by
   ``torch.distributed.get_rank()`` (the group's rank) reads the same samples in both groups, and the job says so
   (a ``duplicate_data`` event and a warning with the fix).
+* Every optimization mode, each with a group SIGKILLed and healed, ending as one model at the exact committed step
+  count: manual optimization with two optimizers and two forward passes per batch, gradient accumulation killed
+  mid-window, ``16-mixed`` with a GradScaler (whose state must travel: it is compared), a ``torch.compile``d network
+  and ``training_step(dataloader_iter)``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections import defaultdict
 
 import pytest
@@ -94,3 +101,72 @@ def test_data_code_written_for_plain_ddp(launch, user_data: str, disjoint: bool)
     else:
         assert {tuple(report["groups"]) for report in reports} == {(0, 1)}, reports
         assert {report["group"] for report in reports} == {0, 1}, "each group says so"
+
+
+def kill_at_gate(job: LaunchedJob, *, victim: int, survivor: int, gate: str, value: str, phase: str) -> None:
+    """As ``kill_and_restart``, but the victim is SIGKILLed where a gate stopped it (``pause.group<V>.<gate>``
+    holding ``value``) after it committed steps with its peer; the gate is removed before the restart reads it."""
+    attempt = job.attempt(victim, 0)
+    pid = job.worker_pid(victim, 0, attempt)
+    job.wait_for(
+        f"group {victim} to commit 3 steps with its peer",
+        lambda: sum(e["participants"] == 2 for e in job.events("step", group=victim, pid=pid, committed=True)) >= 3,
+    )
+    hold = job.hold_from_step(survivor, max(job.committed_steps(victim, 0, pid)) + 20)
+    stop = job.root / f"pause.group{victim}.{gate}"
+    stop.write_text(value)
+    job.wait_for(f"group {victim} to stop at its gate", lambda: job.events("paused", pid=pid, phase=phase))
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    stop.unlink()
+    job.wait_held_alone(survivor, since=killed_at)
+    restarted = job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, 0, attempt + 1))
+    job.wait_for(f"group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted))
+    hold.unlink()
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_accumulation_killed_mid_window_ends_as_one_model(launch, micro_batch: int):
+    """Accumulation over 4 micro-batches, BatchNorm and clipping: the victim is SIGKILLed at the start of micro-batch
+    1 (mid-window) or 3 (the one that votes) of a window. Nothing of the half-accumulated step survives anywhere;
+    the replicas end identical at the exact step count."""
+    max_steps = 30
+    args = [f"--max-steps={max_steps}", "--accumulate=4", "--clip=0.5", "--batchnorm", *GATES]
+    job = launch(groups=2, worker_args=args)
+    start_together(job, groups=2, nproc=1)
+    kill_at_gate(job, victim=1, survivor=0, gate="micro_batch", value=str(micro_batch), phase="micro_batch")
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+
+
+def test_manual_optimization_with_two_optimizers_ends_as_one_model(launch):
+    """Manual optimization, two optimizers, a forward pass for each (the second after the first optimizer stepped,
+    as a GAN's second player makes), BatchNorm: the batch's one vote decides both steps, and the second forward's
+    change of the running statistics is carried into the next vote. The victim is killed between batches: a kill
+    between the vote and the second optimizer's allreduce restarts the survivor too (its collective failed after a
+    positive decision: the crash path of ``StepProtocol.commit``, unit-tested in ``test_buffers.py``)."""
+    max_steps = 30
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--manual", "--optimizers=2", "--batchnorm",
+                                        *GATES])  # fmt: skip
+    start_together(job, groups=2, nproc=1)
+    kill_at_gate(job, victim=1, survivor=0, gate="batch_start", value="", phase="batch_start")
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [["--precision=16-mixed"], ["--compile"], ["--iterator-step"]],
+    ids=["16-mixed-gradscaler", "torch-compile", "dataloader-iter"],
+)
+def test_an_optimization_mode_survives_a_kill_and_a_heal(launch, mode: list[str]):
+    """``16-mixed`` on the CPU with a GradScaler (its scale and growth tracker are part of the compared final state:
+    a heal that did not load them leaves the restarted group's tracker behind its peer's), a ``torch.compile``d
+    network (dynamo's ``OptimizedModule``; the eager backend keeps the test short), ``training_step(dataloader_iter)``:
+    a kill between steps, a heal, one model at the exact committed step count."""
+    max_steps = 40
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", *mode, *GATES])
+    start_together(job, groups=2, nproc=1)
+    kill_and_restart(job, victim=1, rank=0, survivor=0)
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+    if mode == ["--precision=16-mixed"]:
+        precision = next(iter(job.final_states().values()))["precision"]
+        assert precision and "scale" in precision, precision

@@ -247,3 +247,38 @@ def test_a_model_without_buffers_costs_nothing_and_heals():
     buffers.settle(True)
     assert manager.error is None
     assert buffers.committed_state() == {}
+
+
+def test_with_several_optimizers_a_collective_failing_after_the_decision_stops_the_group():
+    """Manual optimization: the batch's first optimizer step took the vote (committed); the second optimizer's
+    gradient allreduce then failed. Stepping on would leave this replica unlike its peers: the second ``commit()``
+    raises, so the group restarts and heals."""
+    manager = FakeManager(ThreadSumGroup(1), participants=2)
+    protocol = StepProtocol(manager)  # type: ignore[arg-type]
+    protocol.open_quorum()
+    assert protocol.commit()
+    manager.report_error(RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError, match="failed after this batch's commit decision"):
+        protocol.commit()
+
+
+def test_manual_optimization_averages_buffers_at_the_batch_end_with_the_second_forward_pass_s_change():
+    """Buffers averaged at the batch end (manual optimization): a forward pass after the vote is part of the step's
+    change, and a failure of that average after a positive decision stops the group."""
+    model = batchnorm_model(seed=0)
+    manager = FakeManager(ThreadSumGroup(1), participants=1)
+    protocol = StepProtocol(manager, buffers=ModelBuffers(model, manager, at_batch_end=True))  # type: ignore[arg-type]
+    protocol.open_quorum()
+    model(torch.randn(16, 4))
+    assert protocol.commit()
+    model(torch.randn(16, 4))  # after the first optimizer stepped
+    protocol.close()
+    assert int(model[1].num_batches_tracked) == 2
+
+    failing = FakeManager(ThreadSumGroup(1, fail=True), participants=2)
+    protocol = StepProtocol(failing, buffers=ModelBuffers(model, failing, at_batch_end=True))  # type: ignore[arg-type]
+    protocol.open_quorum()
+    model(torch.randn(16, 4))
+    assert protocol.commit()
+    with pytest.raises(RuntimeError, match="failed after this batch's commit decision"):
+        protocol.close()

@@ -280,3 +280,27 @@ def test_a_healing_peer_is_sent_the_committed_buffers_not_those_the_forward_pass
     assert capture.sent, "the payload was not taken"
     for name, before in capture.at_batch_start.items():
         assert torch.equal(capture.sent[name], before), name
+
+
+def test_an_optimizer_that_evaluates_the_closure_itself_is_refused_at_fit_naming_it():
+    from lightning_ft import FTConfigError
+
+    class LineSearch(Regressor):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    with pytest.raises(FTConfigError, match="optimizer 0 is LBFGS, whose step\\(\\) evaluates the closure"):
+        trainer(max_steps=2).fit(LineSearch(), loader())
+
+
+def test_training_step_with_dataloader_iter_commits_every_step():
+    class IteratorStep(Regressor):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+            (x, y), _, _ = next(dataloader_iter)
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+    counter = CountCalls()
+    run = trainer(callbacks=[counter], max_steps=5, accumulate_grad_batches=2)
+    run.fit(IteratorStep(), loader())
+    assert run.global_step == 5 and counter.votes == 5
+    assert all(global_step == committed for global_step, committed in counter.step_pairs)

@@ -42,8 +42,10 @@ class Regressor(pl.LightningModule):
         optimizer: str = "adamw",
         hidden: int = 32,
         batchnorm: bool = False,
+        optimizers: int = 1,
     ) -> None:
         super().__init__()
+        self.optimizer_count = optimizers
         # BatchNorm: buffers (running statistics) that each group's forward pass changes from its own batch
         norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
         self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), *norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
@@ -58,15 +60,18 @@ class Regressor(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y = batch[0], batch[1]  # an indexed dataset adds the sample ids
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, batch_size=len(x))
         if self.sync_train_log:
             self.log("train_loss_all", loss, sync_dist=True)
             self.log("train_loss_max", loss, sync_dist=True, reduce_fx="max")
         if not self.automatic_optimization:
-            optimizer = self.optimizers()
-            optimizer.zero_grad()
-            self.manual_backward(loss)
-            optimizer.step()
+            optimizers = self.optimizers()
+            for index, optimizer in enumerate(optimizers if isinstance(optimizers, list) else [optimizers]):
+                if index:  # another forward pass for the next optimizer, as a GAN's second player makes
+                    loss = torch.nn.functional.mse_loss(self.net(x), y)
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -86,13 +91,25 @@ class Regressor(pl.LightningModule):
         self.log(f"{stage}_mse", mse)
         self.log(f"{stage}_spearman", spearman)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_count == 2:  # the first layer's parameters, then the rest
+            first = list(self.net[0].parameters())
+            rest = [p for p in self.parameters() if all(p is not q for q in first)]
+            return [torch.optim.AdamW(first, lr=self.lr), torch.optim.AdamW(rest, lr=self.lr)]
         if self.optimizer_name == "sgd":  # the numerics test: a step is lr × gradient, so gradient errors show
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         else:
             optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class IteratorRegressor(Regressor):
+    """``training_step(self, dataloader_iter)``: the step fetches its own batch (Lightning tells by the name)."""
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
 
 
 def dataset(size: int = 8192) -> TensorDataset:
@@ -247,6 +264,8 @@ class TestGates(pl.Callback):
     * ``<dir>/pause.group<G>.validation``: group G stops inside its next validation batch (``paused`` event).
     * ``<dir>/pause.group<G>.batch_start``: group G stops at the start of its next batch, after every save of the
       batches before it (``paused`` event).
+    * ``<dir>/pause.group<G>.micro_batch`` holding k: group G stops at the start of its next batch that is micro-batch
+      k of an accumulation window (``batch_idx % accumulate_grad_batches == k``; ``paused`` event).
     * ``<dir>/pause.group<G>.allreduce``: group G stops in its next cross-group allreduce, before handing it to the
       process group: its peers are left waiting in theirs (``paused`` event).
     * ``<dir>/pause.group<G>.quorum``: group G stops with its next quorum's answer in hand, before acting on it.
@@ -358,6 +377,14 @@ class TestGates(pl.Callback):
         if pause.exists():
             events.emit("paused", phase="batch_start", step=trainer.global_step)
             self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+        micro = self.directory / f"pause.group{self.group}.micro_batch"
+        try:
+            wanted = int(micro.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == wanted:
+            events.emit("paused", phase="micro_batch", step=trainer.global_step, micro_batch=wanted)
+            self._wait(lambda: not micro.exists(), f"{micro} to disappear")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         pause = self.directory / f"pause.group{self.group}"
@@ -436,6 +463,7 @@ class SaveFinalState(pl.Callback):
             "optimizers": optimizers,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "lrs": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
+            "precision": trainer.precision_plugin.state_dict(),  # GradScaler's scale and growth tracker
             "global_step": trainer.global_step,
             "epoch": trainer.current_epoch,
             "manager_step": strategy.manager.current_step(),
@@ -447,6 +475,14 @@ class SaveFinalState(pl.Callback):
         }
         name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
         torch.save(state, self.out_dir / name)
+
+
+def precision_plugin(precision: str) -> Any:
+    """Lightning's mixed precision on the CPU; ``16-mixed`` with a CPU GradScaler, whose state a heal carries."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    return MixedPrecision(precision, "cpu", scaler=scaler)
 
 
 def hold_start(directory: Path, group: int, deadline_s: float = 120.0) -> None:
@@ -515,6 +551,10 @@ def main() -> None:
         help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
     )
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers)")
+    parser.add_argument("--optimizers", type=int, default=1, help="2: two optimizers (with --manual, one per forward)")
+    parser.add_argument("--iterator-step", action="store_true", help="training_step(self, dataloader_iter)")
+    parser.add_argument("--precision", default=None, help="16-mixed: CPU autocast to float16 with a GradScaler")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the network (eager backend)")
     parser.add_argument("--buffer-sync", default=None, help="FTStrategy(buffer_sync=...): average or off")
     parser.add_argument(
         "--user-data", default=None, help="data code of the user's own: sampler, rank-iterable or job-iterable"
@@ -608,6 +648,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=not stateful_loader,
+        plugins=[precision_plugin(args.precision)] if args.precision else None,
     )
     train_data = dataset() if args.index_data is None else IndexedDataset(args.index_data, group)
     if stateful_loader:  # as docs/checkpointing.md shows: a sampler over this rank's shard of the whole job
@@ -626,14 +667,17 @@ def main() -> None:
     if args.hidden_for_group is not None:
         odd_group, width = (int(part) for part in args.hidden_for_group.split(":"))
         hidden = width if group == odd_group else hidden
-    model = Regressor(
+    model = (IteratorRegressor if args.iterator_step else Regressor)(
         lr=args.lr,
         manual=args.manual,
         sync_train_log=args.sync_train_log,
         optimizer=args.optimizer,
         hidden=hidden,
         batchnorm=args.batchnorm,
+        optimizers=args.optimizers,
     )
+    if args.compile:  # dynamo's capture and its OptimizedModule (state-dict names with _orig_mod.); no inductor
+        model.net = torch.compile(model.net, backend="eager")
     resume = "last" if args.resume else None
     if args.user_data is not None:
         trainer.fit(model, datamodule=UserData(args.user_data, train_data, args.batch_size), ckpt_path=resume)
