@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra lint format clean bench bench-semi-sync bench-zoo bench-scale fault-matrix
+.PHONY: demo test test-extra lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-scale: $(STAMP)
 	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python benchmarks/heal_fanout.py
 	$(BIN)/python benchmarks/scale_plot.py
+
+# What averaging buffers costs (docs/benchmarks.md, Buffers): buffer_sync="average" against "off", about 4 minutes.
+bench-buffers: $(STAMP)
+	$(BIN)/python benchmarks/buffers.py $(ARGS)
 
 # The fault test matrix with its measured figures (docs/reliability.md): about 10 minutes on 2 CPU cores.
 # ARGS="--soak" adds the 20-kill soak run.

@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -90,6 +91,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "machine": machine(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        or None,
         "size": args.size,
         "steps": STEPS,
         "warmup": WARMUP,
