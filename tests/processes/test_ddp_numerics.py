@@ -17,8 +17,9 @@ from collections import defaultdict
 
 import pytest
 import torch
-from harness import LaunchedJob
+from harness import LaunchedJob, assert_bit_identical
 from test_exactly_once import committed_contributions
+from test_failure_injection import inject
 from test_fault_tolerance import GATES, assert_outcome, start_together
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -108,3 +109,73 @@ def test_a_step_with_a_healing_group_is_averaged_over_the_participants_only(laun
     steps_of_group0 = job.events("step", group=0, committed=True)
     assert {e["participants"] for e in steps_of_group0} == {1, 2}
     assert_equal_to_replay(job, max_steps)
+
+
+def replay_with_buffers(job: LaunchedJob, max_steps: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """One process replaying the job's committed steps on a BatchNorm model with AdamW and a step-interval schedule:
+    for each step, every contributing group's forward pass on its own samples (its own batch statistics, from the
+    committed running statistics), the mean of their losses, one optimizer step; the running statistics become the
+    committed ones plus the mean of the groups' changes. Returns the model state and the optimizer state."""
+    from workers.train_worker import Regressor, dataset
+
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for record in committed_contributions(job):
+        by_step[record["vote_step"]].append(record)
+    assert sorted(by_step) == list(range(max_steps)), f"committed steps with contributions: {sorted(by_step)}"
+    torch.manual_seed(SEED)
+    reference = Regressor(lr=LR, batchnorm=True)
+    optimization = reference.configure_optimizers()  # AdamW and the worker's step-interval StepLR
+    optimizer, scheduler = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    data = dataset(SAMPLES)
+    norm = reference.net[1]
+    for step in range(max_steps):
+        contributions = sorted(by_step[step], key=lambda r: (r["group"], r["rank"]))
+        assert len({record["quorum_id"] for record in contributions}) == 1, contributions
+        committed = {name: buffer.clone() for name, buffer in norm.named_buffers()}
+        losses, changes = [], []
+        for record in contributions:
+            for name, buffer in norm.named_buffers():  # .data: the previous forward's graph saved these tensors
+                buffer.data.copy_(committed[name])
+            x, y = data[record["ids"]]
+            losses.append(torch.nn.functional.mse_loss(reference.net(x), y))
+            changes.append({n: b.double() - committed[n].double() for n, b in norm.named_buffers()})
+        optimizer.zero_grad()
+        (sum(losses) / len(losses)).backward()
+        optimizer.step()
+        scheduler.step()
+        for name, buffer in norm.named_buffers():
+            mean = sum(change[name] for change in changes) / len(changes)
+            buffer.copy_(committed[name].double() + (mean if buffer.is_floating_point() else mean.floor()))
+    return reference.state_dict(), optimizer.state_dict()
+
+
+def test_a_batchnorm_model_with_adamw_and_a_rejected_vote_steps_as_one_process_replaying_the_committed_steps(launch):
+    """2 groups × 1 process, synchronous quorum, AdamW with a step-interval schedule, a BatchNorm model, and one step
+    rejected by every group (group 0's gradient is NaN at step 6). One process replaying every committed step on the
+    contributing groups' samples ends with the groups' parameters, running statistics and AdamW state, to float
+    summation order (the groups sum their gradients in another order); the replicas are bit-identical to each other."""
+    max_steps = 16
+    nan = inject({"kind": "nan", "group": 0, "step": 6})
+    args = [f"--max-steps={max_steps}", "--async-quorum=0", "--batchnorm", f"--lr={LR}", f"--seed={SEED}",
+            f"--index-data={SAMPLES}", nan, *GATES]  # fmt: skip
+    job = launch(groups=2, worker_args=args)
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+    rejected = [e for e in job.events("step", committed=False) if e["step"] == 6]
+    assert {e["group"] for e in rejected} == {0, 1}, f"every group rejects step 6: {job.events('step_rejected')}"
+    states = job.final_states()
+    assert_bit_identical(states, replicas=2)
+    model, optimizer = replay_with_buffers(job, max_steps)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, key
+        for name, tensor in model.items():
+            if tensor.is_floating_point():
+                torch.testing.assert_close(state["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+            else:
+                assert torch.equal(state["model"][name], tensor), (key, name)
+        for index, expected in optimizer["state"].items():
+            for field, value in expected.items():
+                torch.testing.assert_close(
+                    state["optimizers"][0]["state"][index][field].float(), value.float(), rtol=1e-4, atol=1e-7,
+                    msg=f"{key} optimizer state {index}.{field}",
+                )  # fmt: skip

@@ -48,7 +48,9 @@ class Regressor(pl.LightningModule):
         self.optimizer_count = optimizers
         # BatchNorm: buffers (running statistics) that each group's forward pass changes from its own batch
         norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), *norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        # (no bias before a BatchNorm, as usual: its gradient is zero up to rounding, which Adam would amplify)
+        first = torch.nn.Linear(16, hidden, bias=not batchnorm)
+        self.net = torch.nn.Sequential(first, *norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
         self.lr = lr
         self.optimizer_name = optimizer
         self.automatic_optimization = not manual
