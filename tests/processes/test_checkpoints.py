@@ -134,6 +134,7 @@ def test_resumed_training_equals_the_uninterrupted_run_and_resumes_with_another_
     * 2 groups: steps 21..40 end bit-identical to the uninterrupted run's step 40 (weights, optimizer and scheduler
       state): a resume loses, repeats and changes nothing.
     * 3 groups: every group starts at step 21 from the file, none heals, and the 3 replicas end identical at 40.
+    * 1 group (fewer than the job had): it starts at step 21 from the file and ends at 40, alone.
     """
     max_steps, saved_step = 40, 20
     steps = [f"--max-steps={max_steps}", "--ckpt-every=10", *GATES]
@@ -146,7 +147,7 @@ def test_resumed_training_equals_the_uninterrupted_run_and_resumes_with_another_
     assert saved["global_step"] == saved_manager["step"] == saved_step
 
     resumes = {}
-    for groups in (2, 3):
+    for groups in (2, 3, 1):
         ckpt_dir = tmp_path / f"resume_{groups}_ckpts"
         ckpt_dir.mkdir()
         (ckpt_dir / "last.ckpt").write_bytes(step_file.read_bytes())
