@@ -89,8 +89,11 @@ def test_data_code_written_for_plain_ddp(launch, user_data: str, disjoint: bool)
     assert job.wait_exit() == 0, job.tail()
     by_step = samples_by_step(job)
     assert sorted(by_step) == list(range(1, max_steps + 1)), sorted(by_step)
-    for step, groups in by_step.items():
-        assert sorted(groups) == [0, 1], (step, groups)
+    # Every step the two groups took together (the first one always: the job's first step waits for every group; a
+    # starved heartbeat may cost a group a later quorum, never the verdict).
+    together = {step: groups for step, groups in by_step.items() if len(groups) == 2}
+    assert 1 in together, by_step[1]
+    for step, groups in together.items():
         if disjoint:
             assert not groups[0] & groups[1], f"step {step}: both groups read samples {sorted(groups[0] & groups[1])}"
         else:
