@@ -50,7 +50,7 @@ class QuorumCallback(Callback):
                     step=committed,
                     committed=protocol.last_step_committed,
                     participants=protocol.manager.num_participants(),
-                    loss=loss_of(outputs),
+                    loss=protocol.step_loss if protocol.step_loss is not None else loss_of(outputs),
                     **({"error": repr(error.original_exception)} if error is not None else {}),
                 )
             if protocol.last_step_committed and committed == 1 and trainer.world_size > 1 and not holds_shards(trainer):

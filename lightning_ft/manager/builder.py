@@ -52,6 +52,7 @@ from lightning_ft.manager.internals import install_client, left_behind_watch, ma
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.manager.vote_inputs import VoteInputs
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.settings import FTSettings
@@ -234,6 +235,8 @@ def composed_client(
       section's, a semi-synchronous sync's), so the client is the one place that sees every one of them. An
       embedded lighthouse lives and dies with this process: nothing to ride out.
     * A one-process group takes its commit vote in process (:class:`~lightning_ft.manager.local_vote.LocalCommitVote`).
+    * Outermost, this process's own vote inputs are read after torchft's device sync
+      (:class:`~lightning_ft.manager.vote_inputs.VoteInputs`).
 
     Returns the client to install and the outage wrapper (to shut down with the Manager), if any.
     """
@@ -245,4 +248,4 @@ def composed_client(
         )
     if group_world_size == 1:
         client = LocalCommitVote(client)
-    return client, outage_client
+    return VoteInputs(client), outage_client

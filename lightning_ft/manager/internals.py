@@ -89,8 +89,9 @@ def set_aside_if_left_behind(manager: Manager) -> bool:
 
 
 def manager_client(manager: Manager) -> Any:
-    """The Manager's RPC client to its group's ManagerServer (quorum requests, the commit vote)."""
-    return manager._client
+    """The Manager's RPC client to its group's ManagerServer (quorum requests, the commit vote); ``None`` for a
+    stand-in Manager without one."""
+    return getattr(manager, "_client", None)
 
 
 def install_client(manager: Manager, client: Any) -> None:

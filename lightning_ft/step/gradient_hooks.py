@@ -16,8 +16,9 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
 * Averaging and the non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) are one
   pass over each bucket, in the allreduce's completion callback, off the training thread: GradScaler's fused kernel
   (``torch._amp_foreach_non_finite_check_and_unscale_``) multiplies by 1 / (group size × participants) and flags any
-  inf or NaN, so the commit gate only reads a flag (:meth:`FTCommState.take_gradient_check`). Multiplying by the
-  reciprocal is what DDP's own reducer does; a separate division and sum cost twice as much.
+  inf or NaN, so the commit gate only reads a flag (:meth:`FTCommState.take_gradient_check`), once the vote has
+  synchronized the device. Multiplying by the reciprocal is what DDP's own reducer does; a separate division and sum
+  cost twice as much.
 
 With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and :func:`fsdp_cross_group_hook` is FSDP2's
 all-reduce hook: it averages each rank's reduced shard with the same shard of the other groups. That is the HSDP
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.step.protocol import StepProtocol
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -74,18 +76,22 @@ class FTCommState:
         torch._amp_foreach_non_finite_check_and_unscale_([buffer], flag, reciprocal)
         self.checked_buckets += 1
 
-    def take_gradient_check(self) -> bool | None:
-        """Whether every bucket averaged in the current step was finite; ``None`` when none was (the step errored
-        before any bucket was averaged, or the hook did not run). Once per step: the count and flags start over."""
+    def take_gradient_check(self) -> Callable[[], bool] | None:
+        """The current step's check, once per step (the count and the flags start over): a function that says
+        whether every bucket averaged in the step was finite, or ``None`` when none was (the step errored before any
+        bucket was averaged, or the hook did not run).
+
+        Nothing is read from the device here: the flags are copied to the host and reset by work queued after the
+        averaging, and the returned function reads the copy, which the commit gate does once the vote has
+        synchronized the device (:mod:`lightning_ft.manager.vote_inputs`).
+        """
         checked, self.checked_buckets = self.checked_buckets, 0
         if not checked:
             return None
-        finite = True
+        taken = [host_copy(flag) for flag in self._non_finite_flags.values()]
         for flag in self._non_finite_flags.values():
-            if bool(flag.item()):
-                finite = False
             flag.zero_()
-        return finite
+        return lambda: not any(bool(flag.item()) for flag in taken)
 
 
 def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

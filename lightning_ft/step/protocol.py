@@ -7,7 +7,9 @@ pass and only on accumulation boundaries. This module keeps the same protocol in
 * :meth:`StepProtocol.open_quorum` at the first micro-batch of an optimizer step (idempotent while accumulating);
 * :meth:`StepProtocol.commit` once per step, after backward and the cross-group allreduce: the buffers' average
   (:mod:`lightning_ft.step.buffers`), then torchft's ``should_commit()`` vote, then the buffers settle on its outcome.
-  With manual optimization every optimizer of a batch shares the one decision;
+  The vote's device sync is the step's only one: whether the averaged gradient is finite and the step's loss are read
+  right after it (:meth:`StepProtocol.read_at_vote`). With manual optimization every optimizer of a batch shares the
+  one decision;
 * :meth:`StepProtocol.close` when the batch that took the decision ends, so the next batch opens a new quorum.
 
 :class:`CommitGatedOptimizer` is the optimizer handed to Lightning's precision plugin. It lets the plugin run the
@@ -22,12 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
 from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
 from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.manager.vote_inputs import host_copy, should_commit_reading
 from lightning_ft.start.decision import JobBehindCheckpointError
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
@@ -66,6 +70,10 @@ class StepProtocol:
         # first quorum must reach, and where that step is from.
         self.floor_step: int | None = None
         self.floor_source = "the job's newest checkpoint"
+        # What the open step's vote reads from the device after torchft's sync (read_at_vote), and the loss read.
+        self._finite_at_vote: Callable[[], bool] | None = None
+        self._loss_at_vote: Tensor | None = None
+        self.step_loss: float | None = None
 
     @property
     def quorum_open(self) -> bool:
@@ -101,6 +109,7 @@ class StepProtocol:
         self._quorum_open = True
         self.quorums_opened += 1
         self._decision = None
+        self._finite_at_vote, self._loss_at_vote, self.step_loss = None, None, None
         if self.floor_step is not None:
             self._check_floor(self.floor_step)
 
@@ -155,10 +164,33 @@ class StepProtocol:
         if buffers is not None:
             buffers.average()
         self._abort_failed_process_group()
-        self._record(self.manager.should_commit())
+        self._record(self._vote())
         if buffers is not None:  # after the vote, which may have healed this replica's buffers
             buffers.settle(self._decision)
         return self._decision
+
+    def read_at_vote(self, finite: Callable[[], bool] | None = None, loss: Tensor | None = None) -> None:
+        """What this step's vote reads from the device: ``finite()`` says whether the averaged gradient is finite
+        (a ``False`` rejects the step in every group alike), and ``loss`` becomes :attr:`step_loss`. Both are read
+        once torchft's vote has synchronized the device, so that the step has one host-device sync
+        (:mod:`lightning_ft.manager.vote_inputs`)."""
+        self._finite_at_vote = finite
+        self._loss_at_vote = host_copy(loss) if loss is not None else None
+
+    def _vote(self) -> bool:
+        if self._finite_at_vote is None and self._loss_at_vote is None:
+            return self.manager.should_commit()
+        return should_commit_reading(self.manager, self._read_at_vote)
+
+    def _read_at_vote(self, voting_to_commit: bool) -> bool:
+        finite, loss = self._finite_at_vote, self._loss_at_vote
+        self._finite_at_vote, self._loss_at_vote = None, None
+        if loss is not None:
+            self.step_loss = float(loss)
+        if voting_to_commit and finite is not None and not finite():  # garbage after an error: not read then
+            self.reject(NonFiniteGradientError(self.manager.current_step()))
+            return False
+        return voting_to_commit
 
     def _stop_if_failed_after_commit(self) -> None:
         if self._decision and self.manager.errored() is not None:
@@ -248,8 +280,10 @@ class NonFiniteGradientError(RuntimeError):
         )
 
 
-def gradients_are_finite(optimizer: Optimizer) -> bool:
-    """Whether every gradient the optimizer would apply is finite. One device sync for all of them.
+def finite_gradient_check(optimizer: Optimizer) -> Callable[[], bool]:
+    """Queue the check of every gradient the optimizer would apply now; the returned function reads its answer.
+
+    Read after the vote's device sync (:mod:`lightning_ft.manager.vote_inputs`), the answer costs no wait of its own.
 
     Why sums: an inf or NaN anywhere makes its tensor's sum inf or NaN, and a sum only reads the gradient, where
     ``isfinite(grad).all()`` writes a mask as large as the gradient and reads it again (on CPU that was the largest
@@ -267,11 +301,13 @@ def gradients_are_finite(optimizer: Optimizer) -> bool:
                 continue
             grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
     if not grads:
-        return True
-    sums = torch.stack([grad.sum(dtype=torch.float32) for grad in grads])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(grad).all()) for grad in grads)
+        return lambda: True
+    sums_finite = host_copy(torch.isfinite(torch.stack([grad.sum(dtype=torch.float32) for grad in grads])).all())
+
+    def read() -> bool:
+        return bool(sums_finite.item()) or all(bool(torch.isfinite(grad).all()) for grad in grads)
+
+    return read
 
 
 class CommitGatedOptimizer:
@@ -288,26 +324,27 @@ class CommitGatedOptimizer:
         optimizer: Optimizer,
         protocol: StepProtocol,
         skip_non_finite: bool = True,
-        gradient_check: Callable[[], bool | None] | None = None,
+        gradient_check: Callable[[], Callable[[], bool] | None] | None = None,
     ) -> None:
         self._optimizer = optimizer
         self._protocol = protocol
         self._skip_non_finite = skip_non_finite
-        # Whether the averaged gradient was finite, as the comm hook found while averaging it
-        # (lightning_ft.step.gradient_hooks); None when it could not tell, and the optimizer's gradients are then read
-        # again.
+        # The check of the averaged gradient that the comm hook queued while averaging it
+        # (lightning_ft.step.gradient_hooks); None when it could not tell, and the optimizer's gradients are then
+        # checked here.
         self._gradient_check = gradient_check
 
-    def _gradients_are_finite(self) -> bool:
-        checked = self._gradient_check() if self._gradient_check is not None else None
-        if checked is not None:
-            return checked
-        return gradients_are_finite(self._optimizer)
+    def _finite_check(self) -> Callable[[], bool]:
+        check = self._gradient_check() if self._gradient_check is not None else None
+        return check if check is not None else finite_gradient_check(self._optimizer)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
-        if self._skip_non_finite and not self._protocol.decided and not self._gradients_are_finite():
-            self._protocol.reject(NonFiniteGradientError(self._protocol.manager.current_step()))
+        if not self._protocol.decided:  # both are read after the vote's device sync, before the vote is cast
+            self._protocol.read_at_vote(
+                finite=self._finite_check() if self._skip_non_finite else None,
+                loss=loss if isinstance(loss, Tensor) and loss.numel() == 1 else None,
+            )
         if self._protocol.commit():
             self._optimizer.step(**kwargs)
         return loss

@@ -108,7 +108,7 @@ def test_hook_returns_before_the_allreduce_completes_and_averages_when_it_does()
     assert manager.quorum_waits == 1  # the quorum decides who takes part before anything is sent
     manager._pg.work.future.set_result([buffer])
     assert torch.equal(future.wait(), torch.full((4,), 3.0))
-    assert state.take_gradient_check() is True  # the averaged bucket was checked, and was finite
+    assert state.take_gradient_check()() is True  # the averaged bucket was checked, and was finite
     assert state.take_gradient_check() is None  # once per step
     assert manager.error is None and manager.wrapped == 0
 
@@ -159,12 +159,12 @@ def test_a_non_finite_average_is_flagged_until_the_step_takes_the_check():
         manager._pg.work.future.set_result([buffer])
         future.wait()
     assert torch.equal(finite, torch.full((4,), 3.0))
-    assert state.take_gradient_check() is False  # one of the step's two buckets held a NaN
+    assert state.take_gradient_check()() is False  # one of the step's two buckets held a NaN
     manager._pg = FakeProcessGroup()
     future = ft_allreduce_hook(state, Bucket(torch.ones(4)))
     manager._pg.work.future.set_result([torch.ones(4)])
     future.wait()
-    assert state.take_gradient_check() is True  # the next step starts with a clean flag
+    assert state.take_gradient_check()() is True  # the next step starts with a clean flag
 
 
 def test_the_average_multiplies_by_the_reciprocal_as_ddp_does():

@@ -33,8 +33,10 @@ class FakeManager:
 
 
 class FakeProtocol:
-    """What ``CommitGatedOptimizer`` uses of ``StepProtocol``: ``decided``, ``reject``, ``commit`` and the manager's
-    step. ``log`` is shared with the closure and the optimizer, so that the order of events can be checked."""
+    """What ``CommitGatedOptimizer`` uses of ``StepProtocol``: ``decided``, ``read_at_vote``, ``reject``, ``commit``
+    and the manager's step. ``log`` is shared with the closure and the optimizer, so that the order of events can be
+    checked. As the real protocol does, ``commit`` reads the finite check and the loss it was given right before the
+    vote is cast (the real one does so after the vote's device sync, ``tests/unit/test_host_syncs.py``)."""
 
     def __init__(self, log: list[str], vote: bool = True, decided: bool = False, step: int = 7) -> None:
         self.log = log
@@ -43,6 +45,8 @@ class FakeProtocol:
         self.manager = FakeManager(step)
         self.rejections: list[Exception] = []
         self.votes = 0
+        self.finite: Callable[[], bool] | None = None
+        self.losses: list[torch.Tensor | None] = []
 
     @property
     def decided(self) -> bool:
@@ -52,7 +56,14 @@ class FakeProtocol:
         self.log.append("reject")
         self.rejections.append(reason)
 
+    def read_at_vote(self, finite: Callable[[], bool] | None = None, loss: torch.Tensor | None = None) -> None:
+        self.finite = finite
+        self.losses.append(loss)
+
     def commit(self) -> bool:
+        finite, self.finite = self.finite, None
+        if finite is not None and not finite():
+            self.reject(NonFiniteGradientError(self.manager.step))
         self.log.append("vote")
         self.votes += 1
         self._decided = True
@@ -67,7 +78,7 @@ class Setup:
         vote: bool = True,
         decided: bool = False,
         skip_non_finite: bool = True,
-        gradient_check: Callable[[], bool | None] | None = None,
+        gradient_check: Callable[[], Callable[[], bool] | None] | None = None,
     ) -> None:
         torch.manual_seed(0)
         self.log: list[str] = []
@@ -143,6 +154,7 @@ def test_a_committed_step_runs_the_closure_then_the_vote_then_the_optimizer() ->
     loss = setup.gated.step(setup.closure())
     assert setup.log == ["closure", "vote", "optimizer.step"]
     assert torch.is_tensor(loss) and loss.item() > 0, "step() must return the closure's loss"
+    assert setup.protocol.losses == [loss], "the step's loss is read with the vote"
     assert not bit_identical(before["params"][0], setup.model.weight.detach())
     assert len(setup.optimizer.state) == 2, "Adam's state was not created"
 
@@ -258,9 +270,9 @@ def test_the_comm_hooks_finding_decides_when_it_has_one(
     """The comm hook saw the averaged gradient; its answer stands, and only without one are the gradients read."""
     checks: list[None] = []
 
-    def gradient_check() -> bool | None:
+    def gradient_check() -> Callable[[], bool] | None:
         checks.append(None)
-        return hook_says
+        return None if hook_says is None else lambda: hook_says
 
     setup = Setup(vote=True, gradient_check=gradient_check)
     setup.gated.step(setup.closure(gradient_value))

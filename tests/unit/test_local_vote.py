@@ -10,6 +10,7 @@ from lightning_ft import FTStrategy
 from lightning_ft.manager.builder import composed_client
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.manager.vote_inputs import VoteInputs, should_commit_reading
 
 
 class RecordingClient:
@@ -40,8 +41,9 @@ def test_a_group_of_several_processes_keeps_torchfts_vote():
     base = RecordingClient()
     one, outage = composed_client(base, settings, group_world_size=1)
     several, _ = composed_client(base, settings, group_world_size=2)
-    assert isinstance(one, LocalCommitVote) and outage is None  # an embedded lighthouse: no outage to ride out
-    assert several is base
+    assert isinstance(one, VoteInputs) and isinstance(one._client, LocalCommitVote)
+    assert outage is None  # an embedded lighthouse: no outage to ride out
+    assert isinstance(several, VoteInputs) and several._client is base
     with pytest.raises(ValueError, match="group rank 1"):
         one.should_commit(1, 0, True, timedelta(seconds=1))
 
@@ -53,9 +55,49 @@ def test_the_client_is_composed_once_outage_tolerance_inside_the_local_vote():
     base = RecordingClient()
     client, outage = composed_client(base, settings, group_world_size=1)
     try:
-        assert isinstance(client, LocalCommitVote) and isinstance(outage, OutageTolerantClient)
-        assert client._client is outage
+        assert isinstance(client, VoteInputs) and isinstance(outage, OutageTolerantClient)
+        assert isinstance(client._client, LocalCommitVote) and client._client._client is outage
         assert client.should_commit(0, 3, True, timedelta(seconds=1)) is True and base.calls == []
     finally:
         assert outage is not None
         outage.shutdown()
+
+
+class VotingManager:
+    """A Manager as far as :func:`should_commit_reading` sees it: torchft's vote syncs the device (logged), then asks
+    its client."""
+
+    def __init__(self, client: object, log: list[str]) -> None:
+        self._client = client
+        self.log = log
+        self.error: Exception | None = None
+
+    def errored(self) -> Exception | None:
+        return self.error
+
+    def should_commit(self) -> bool:
+        self.log.append("device sync")
+        return self._client.should_commit(0, 5, self.error is None, timedelta(seconds=1))
+
+
+@pytest.mark.parametrize("reader_says", [True, False])
+def test_the_processs_own_vote_inputs_are_read_after_torchfts_sync_and_only_for_the_next_vote(reader_says):
+    log: list[str] = []
+    inputs = VoteInputs(LocalCommitVote(RecordingClient()))
+    manager = VotingManager(inputs, log)
+
+    def reader(voting_to_commit: bool) -> bool:
+        log.append(f"read (voting {voting_to_commit})")
+        return voting_to_commit and reader_says
+
+    assert should_commit_reading(manager, reader) is reader_says  # type: ignore[arg-type]
+    assert log == ["device sync", "read (voting True)"]
+    assert manager.should_commit() is True and log[-1] == "device sync", "the reader served one vote only"
+
+
+def test_a_manager_built_without_the_wrapper_reads_before_its_vote():
+    """A stand-in Manager (no VoteInputs client): still a correct vote, at the price of the read's own sync."""
+    log: list[str] = []
+    manager = VotingManager(LocalCommitVote(RecordingClient()), log)
+    assert should_commit_reading(manager, lambda vote: log.append("read") is None and vote) is True  # type: ignore[arg-type]
+    assert log == ["read", "device sync"]
