@@ -52,9 +52,9 @@ from lightning_ft.manager.internals import install_client, left_behind_watch, ma
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
-from lightning_ft.manager.vote_inputs import VoteInputs
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.manager.telemetry import TimedTransport
+from lightning_ft.manager.vote_inputs import VoteInputs
 from lightning_ft.settings import FTSettings
 from lightning_ft_job.addresses import is_loopback, numeric_host
 from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
