@@ -59,14 +59,15 @@ TIMEOUT = timedelta(seconds=60)  # every transport call and store wait in a chil
 SENDER, RECEIVER = 0, 1
 
 
-def make_state(size_bytes: int) -> dict[str, torch.Tensor]:
-    """``size_bytes`` of float32 tensors of ``TENSOR_BYTES`` each; no two elements of the state are equal."""
+def make_state(size_bytes: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``size_bytes`` of float32 tensors of ``TENSOR_BYTES`` each, on ``device``; no two elements of the state are
+    equal."""
     state: dict[str, torch.Tensor] = {}
     first = FIRST_BITS
     for index, start in enumerate(range(0, size_bytes, TENSOR_BYTES)):
         count = min(TENSOR_BYTES, size_bytes - start) // 4
         bits = torch.arange(first, first + count, dtype=torch.int32)
-        state[f"layer{index}.weight"] = bits.view(torch.float32)
+        state[f"layer{index}.weight"] = bits.view(torch.float32).to(device)
         first += count
     return state
 
@@ -126,14 +127,16 @@ def parse_configs(texts: list[str]) -> list[tuple[str, int]]:
     return [(kind, int(size)) for kind, size in (text.split(":") for text in texts)]
 
 
-def run_sender(configs: list[tuple[str, int]], repeats: int, store: torch.distributed.TCPStore, port: int) -> None:
+def run_sender(
+    configs: list[tuple[str, int]], repeats: int, store: torch.distributed.TCPStore, port: int, device: str = "cpu"
+) -> None:
     transports = Transports(SENDER, port)
     state: dict[str, torch.Tensor] = {}
     try:
         for index, (kind, size_bytes) in enumerate(configs):
             if state_bytes(state) != size_bytes:
                 state = {}  # free the last size's state first
-                state = make_state(size_bytes)
+                state = make_state(size_bytes, device)
             shared = torch.distributed.PrefixStore(f"config{index}", store)
             transport = transports.get(kind)
             if kind == "http":
@@ -141,7 +144,9 @@ def run_sender(configs: list[tuple[str, int]], repeats: int, store: torch.distri
             for rep in range(repeats):
                 step = index * repeats + rep + 1  # never one the HTTP server served before
                 if kind == "http":  # stages the state and serves it; the receiver fetches after the barrier
-                    transport.send_checkpoint([RECEIVER], step, state, TIMEOUT)
+                    staging = time.perf_counter()
+                    transport.send_checkpoint([RECEIVER], step, state, TIMEOUT)  # copies a device's state off it
+                    shared.set(f"staged/{rep}", str(time.perf_counter() - staging))
                 barrier(shared, f"go/{rep}", SENDER)
                 if kind != "http":  # returns once every tensor is sent
                     transport.send_checkpoint([RECEIVER], step, state, TIMEOUT)
@@ -166,7 +171,12 @@ def check(received: Any, expected: dict[str, torch.Tensor], inplace: dict[str, t
 
 
 def run_receiver(
-    configs: list[tuple[str, int]], repeats: int, store: torch.distributed.TCPStore, port: int, result: Path
+    configs: list[tuple[str, int]],
+    repeats: int,
+    store: torch.distributed.TCPStore,
+    port: int,
+    result: Path,
+    device: str = "cpu",
 ) -> None:
     transports = Transports(RECEIVER, port)
     expected: dict[str, torch.Tensor] = {}
@@ -175,13 +185,14 @@ def run_receiver(
         for index, (kind, size_bytes) in enumerate(configs):
             if state_bytes(expected) != size_bytes:
                 expected = {}  # free the last size's state first
-                expected = make_state(size_bytes)
+                expected = make_state(size_bytes, device)
             inplace = {k: torch.zeros_like(t) for k, t in expected.items()} if kind == "pg-inplace" else None
             shared = torch.distributed.PrefixStore(f"config{index}", store)
             transport = transports.get(kind, inplace)
             metadata = shared.get("address").decode() if kind == "http" else transport.metadata()
             seconds: list[float] = []
             cpu_seconds: list[float] = []
+            stage_seconds: list[float] = []
             for rep in range(repeats):
                 if inplace is not None:  # a copy left from the last repetition must not pass the check
                     for tensor in inplace.values():
@@ -189,7 +200,12 @@ def run_receiver(
                 barrier(shared, f"go/{rep}", RECEIVER)
                 wall, cpu = time.perf_counter(), time.process_time()
                 received = transport.recv_checkpoint(SENDER, metadata, index * repeats + rep + 1, TIMEOUT)
+                if device != "cpu":  # a heal ends with the state on the healer's device
+                    received = {key: tensor.to(device) for key, tensor in received.items()}
+                    torch.cuda.synchronize()
                 seconds.append(time.perf_counter() - wall)
+                if kind == "http":
+                    stage_seconds.append(float(shared.get(f"staged/{rep}").decode()))
                 cpu_seconds.append(time.process_time() - cpu)
                 check(received, expected, inplace)
                 del received
@@ -203,6 +219,8 @@ def run_receiver(
                     "tensors": len(expected),
                     "seconds": seconds,
                     "cpu": cpu_seconds,
+                    "sender_stage_s": stage_seconds,
+                    "device": device,
                 }
             )
             print(f"  {kind:10s} {size / MB:5.0f} MB: {[round(s, 3) for s in seconds]} s", flush=True)
@@ -215,9 +233,9 @@ def child(args: argparse.Namespace) -> None:
     store = torch.distributed.TCPStore(HOST, args.store_port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
     configs = parse_configs(args.configs)
     if args.role == "sender":
-        run_sender(configs, args.repeats, store, args.store_port)
+        run_sender(configs, args.repeats, store, args.store_port, args.device)
     else:
-        run_receiver(configs, args.repeats, store, args.store_port, args.result)
+        run_receiver(configs, args.repeats, store, args.store_port, args.result, args.device)
 
 
 # --- the driver -------------------------------------------------------------------------------------------------
@@ -228,7 +246,9 @@ def deadline_seconds(configs: list[tuple[str, int]], repeats: int) -> float:
     return 120.0 + sum(size / GB * (20.0 * repeats + 10.0) for _, size in configs)
 
 
-def run_pair(configs: list[tuple[str, int]], repeats: int, scratch: Path) -> list[dict[str, Any]]:
+def run_pair(
+    configs: list[tuple[str, int]], repeats: int, scratch: Path, device: str = "cpu"
+) -> list[dict[str, Any]]:
     """Start a sender and a receiver for every configuration, wait for both, stop any left over; the receiver's
     records."""
     from lightning_ft.manager.listeners import group_store
@@ -244,6 +264,7 @@ def run_pair(configs: list[tuple[str, int]], repeats: int, scratch: Path) -> lis
             f"--repeats={repeats}",
             f"--store-port={store.port}",
             f"--result={result}",
+            f"--device={device}",
             "--configs",
             *(f"{kind}:{size}" for kind, size in configs),
         ]
@@ -266,6 +287,8 @@ def summarise(record: dict[str, Any]) -> dict[str, Any]:
         "median_s": round(middle, 4),
         "gb_per_s": round(record["size_bytes"] / middle / GB, 3),
         "receiver_cpu_s": [round(s, 4) for s in record["cpu"]],
+        "sender_stage_s": [round(s, 4) for s in record.get("sender_stage_s", [])],
+        "device": record.get("device", "cpu"),
         "meets_target": record["size_bytes"] / middle / GB >= TARGET_GB_PER_S,
     }
 
@@ -290,6 +313,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--out", type=Path, help="a new file (default: results/heal_throughput_<UTC time>.json)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where both processes hold the state (cuda: http only)"
+    )
     # How the driver starts its children.
     parser.add_argument("--role", choices=("driver", "sender", "receiver"), default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--configs", nargs="+", help=argparse.SUPPRESS)
@@ -300,13 +326,15 @@ def main() -> None:
         child(args)
         return
     args.out = new_results_file(args.out, "heal_throughput")
+    if args.device != "cpu" and args.transports != ["http"]:
+        parser.error("--device cuda measures the HTTP transport only: add --transports http")
     if args.repeats < 1 or not all(0 < size * MB <= MAX_BYTES for size in args.sizes):
         parser.error(f"--repeats must be positive and every size in (0, {MAX_BYTES // MB}] MB")
 
     started = time.perf_counter()
     configs = [(kind, size * MB) for size in args.sizes for kind in args.transports]
     with tempfile.TemporaryDirectory(prefix="lightning-ft-heal-") as scratch:
-        rows = [summarise(record) for record in run_pair(configs, args.repeats, Path(scratch))]
+        rows = [summarise(record) for record in run_pair(configs, args.repeats, Path(scratch), args.device)]
     total = time.perf_counter() - started
     print()
     print(table(rows))
@@ -315,6 +343,7 @@ def main() -> None:
         "machine": machine(),
         "settings": {
             "repeats": args.repeats,
+            "device": args.device,
             "tensor_bytes": TENSOR_BYTES,
             "dtype": "float32",
             "host": HOST,
