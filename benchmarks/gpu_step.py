@@ -152,6 +152,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             self.seconds: float | None = None
             self.idle: float | None = None
             self.syncs: int | None = None
+            self.top_cpu: list[Any] = []  # the operations with the most CPU time of their own, ms per step
             self._started = 0.0
             self._profiler: Any = None
             self._warnings: Any = None
@@ -162,8 +163,10 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
                 synchronize()
                 self._started = time.perf_counter()
             elif i == args.warmup + args.steps and args.profile_steps:
-                activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-                self._profiler = torch.profiler.profile(activities=[activity])
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if cuda:
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=activities)
                 self._profiler.__enter__()
                 self._warnings = warnings.catch_warnings(record=True)
                 self._caught = self._warnings.__enter__()
@@ -171,8 +174,9 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
                 if cuda:
                     torch.cuda.set_sync_debug_mode("warn")
 
-        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *_: Any) -> None:
-            i = trainer.fit_loop.epoch_loop.batch_progress.current.completed - 1
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, i: int
+        ) -> None:
             if i == args.warmup + args.steps - 1:
                 synchronize()
                 self.seconds = (time.perf_counter() - self._started) / args.steps
@@ -189,6 +193,10 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
                     if event.device_type == torch.autograd.DeviceType.CUDA
                 ]
                 self.idle = gpu_idle_per_step(kernels, args.profile_steps)
+                averages = sorted(self._profiler.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+                self.top_cpu = [
+                    [a.key, round(a.self_cpu_time_total / 1e3 / args.profile_steps, 3), a.count] for a in averages[:25]
+                ]
 
     torch.backends.cuda.matmul.allow_tf32 = False
     records = []
@@ -219,6 +227,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             "step_ms": clock.seconds * 1e3 if clock.seconds is not None else None,
             "gpu_idle_ms": clock.idle * 1e3 if clock.idle is not None else None,
             "implicit_syncs_per_step": clock.syncs / args.profile_steps if clock.syncs is not None else None,
+            "top_cpu_ms_per_step": clock.top_cpu,
         }
         records.append(record)
         print(json.dumps(record), flush=True)
@@ -285,7 +294,8 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"GPU: {results.get('gpu', '?')}; torch {results.get('torch', '?')}; commit {results.get('commit', '?')}",
         "",
-        "| precision | step | mode | step ms (median) | × plain, each repetition | GPU idle ms/step | implicit syncs/step |",
+        "| precision | step | mode | step ms (median) | × plain, each repetition | GPU idle ms/step "
+        "| implicit syncs/step |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for precision, size, mode in keys:

@@ -246,9 +246,7 @@ def deadline_seconds(configs: list[tuple[str, int]], repeats: int) -> float:
     return 120.0 + sum(size / GB * (20.0 * repeats + 10.0) for _, size in configs)
 
 
-def run_pair(
-    configs: list[tuple[str, int]], repeats: int, scratch: Path, device: str = "cpu"
-) -> list[dict[str, Any]]:
+def run_pair(configs: list[tuple[str, int]], repeats: int, scratch: Path, device: str = "cpu") -> list[dict[str, Any]]:
     """Start a sender and a receiver for every configuration, wait for both, stop any left over; the receiver's
     records."""
     from lightning_ft.manager.listeners import group_store

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -96,9 +95,14 @@ def test_the_whole_script_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     """``--tiny``: the same driver, workers, Trainers and profiler, with a small MLP on the CPU (no GPU figures)."""
     out = tmp_path / "tiny.json"
     gpu_step.main(
-        ["--tiny", "--modes", "plain", "ft", "--precisions", "32-true", "--sizes", "10ms", "--repeats", "1"]
-        + ["--steps", "2", "--warmup", "1", "--profile-steps", "1", "--heal-mb", "0", "--out", str(out)]
+        [
+            *("--tiny", "--modes", "plain", "ft", "--precisions", "32-true", "--sizes", "10ms", "--repeats", "1"),
+            *("--steps", "2", "--warmup", "1", "--profile-steps", "1", "--heal-mb", "0", "--out", str(out)),
+        ]
     )
     [run] = json.loads(out.read_text())["runs"]
     assert sorted(record["mode"] for record in run) == ["ft", "plain"]
     assert all(record["step_ms"] > 0 for record in run)
+    assert all(record["implicit_syncs_per_step"] is not None and record["top_cpu_ms_per_step"] for record in run), (
+        "the profiled steps were never closed"
+    )
