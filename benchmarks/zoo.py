@@ -16,6 +16,7 @@ every repetition of every kept run. The fixed cost is ``ft - ddp`` in millisecon
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import math
@@ -78,13 +79,20 @@ def measure(
     if code != 0 or len(files) != processes:
         raise RuntimeError(f"{mode}/{model} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     medians = []
+    paths: dict[str, list[float]] = {}
     for path in files:
         record = json.loads(path.read_text())
         if record["global_step"] != steps:
             raise RuntimeError(f"{mode}/{model}: reached step {record['global_step']}, not {steps}")
         medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
+        for name in ("optimizer_ends", "vote_ends"):
+            gap = to_next_forward(record.get(name, [])[warmup:], record.get("forward_starts", []))
+            if gap is not None:
+                paths.setdefault(name, []).append(gap)
     step = sum(medians) / len(medians)
-    print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step", flush=True)
+    critical = {f"{name[:-5]}_to_forward_ms": 1000 * sum(gaps) / len(gaps) for name, gaps in paths.items()}
+    shown = "  ".join(f"{name} {value:.3f}" for name, value in critical.items())
+    print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step  {shown}", flush=True)
     return {
         "mode": mode,
         "model": model,
@@ -93,7 +101,19 @@ def measure(
         "step_s": step,
         "loadavg_1m": load,
         "processes": processes,
+        **critical,
     }
+
+
+def to_next_forward(ends: list[float], forward_starts: list[float]) -> float | None:
+    """The median time from each of ``ends`` to the first forward pass that starts after it (the last end has none):
+    the critical path from a step's decision to the next step's first kernel."""
+    gaps = []
+    for end in ends:
+        index = bisect.bisect_right(forward_starts, end)
+        if index < len(forward_starts):
+            gaps.append(forward_starts[index] - end)
+    return median(gaps) if gaps else None
 
 
 def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -42,6 +42,39 @@ class OptimizerStepClock(pl.Callback):
             self.step_ends.append(time.perf_counter())
 
 
+class CriticalPathClock(pl.Callback):
+    """What lies between one step's decision and the next step's first kernel: when each optimizer step ends (a step
+    post-hook on the real optimizer), when each FTStrategy vote ends (around ``Manager.should_commit``), and when each
+    forward pass starts (a pre-hook on the model's network, the first module its ``training_step`` calls)."""
+
+    def __init__(self) -> None:
+        self.optimizer_ends: list[float] = []
+        self.vote_ends: list[float] = []
+        self.forward_starts: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_post_hook(lambda *_: self.optimizer_ends.append(time.perf_counter()))
+        pl_module.net.register_forward_pre_hook(lambda *_: self.forward_starts.append(time.perf_counter()))
+        manager = getattr(trainer.strategy, "manager", None)
+        if manager is not None:
+            should_commit = manager.should_commit
+
+            def timed_vote(*args: Any, **kwargs: Any) -> bool:
+                try:
+                    return should_commit(*args, **kwargs)
+                finally:
+                    self.vote_ends.append(time.perf_counter())
+
+            manager.should_commit = timed_vote
+
+    def record(self) -> dict[str, list[float]]:
+        return {
+            "optimizer_ends": self.optimizer_ends,
+            "vote_ends": self.vote_ends,
+            "forward_starts": self.forward_starts,
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["ddp", "ft", "ft_pinned", "ft_sync"], required=True)
@@ -62,6 +95,7 @@ def main() -> None:
     batches = args.steps * args.accumulate
     data = ZooBatches(spec, length=batches * spec.batch_size * world)
     clock = OptimizerStepClock(args.accumulate)
+    path = CriticalPathClock()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -75,7 +109,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=args.root,
-        callbacks=[clock],
+        callbacks=[clock, path],
     )
     started = time.perf_counter()
     trainer.fit(ZooModule(args.model), DataLoader(data, batch_size=spec.batch_size))
@@ -84,7 +118,7 @@ def main() -> None:
         args.out.with_name(f"{args.out.stem}.{rank}.json"),
         clock.step_ends,
         started,
-        {"global_step": trainer.global_step},
+        {"global_step": trainer.global_step, **path.record()},
     )
 
 
