@@ -151,6 +151,45 @@ def read_events(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+class EventLogReader:
+    """Every event under a directory, read incrementally: each call parses only the lines appended since the last.
+
+    For whoever watches a live run (the fault tests' harness polls it several times a second beside the training
+    processes): re-reading and re-parsing every file at every poll would cost as much as the job's own work on a busy
+    machine. A line is taken once it ends with a newline; a line a SIGKILL cut short, and anything a restarted process
+    appended to it, is skipped as :func:`read_events` skips it. The records come in the same order as
+    :func:`read_events`: file by file in name order, each in file order.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._directory = Path(directory)
+        self._files: dict[Path, tuple[int, list[dict[str, Any]]]] = {}
+
+    def records(self) -> list[dict[str, Any]]:
+        for path in self._directory.glob(FILE_PATTERN):
+            offset, records = self._files.get(path, (0, []))
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if size < offset:  # replaced by a shorter file: start over
+                offset, records = 0, []
+            if size > offset:
+                with path.open("rb") as file:
+                    file.seek(offset)
+                    chunk = file.read(size - offset)
+                complete = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read once it is finished
+                for line in chunk[:complete].splitlines():
+                    if line.strip():
+                        try:
+                            records.append(json.loads(line))
+                        except json.JSONDecodeError:  # a line cut short by SIGKILL
+                            continue
+                offset += complete
+            self._files[path] = (offset, records)
+        return [record for path in sorted(self._files) for record in self._files[path][1]]
+
+
 def enabled() -> bool:
     """Whether events are being written (so that a caller can skip work that only feeds the log)."""
     return _sink is not None

@@ -28,7 +28,7 @@ from support import listening_sockets as listening_sockets
 from support import process_gone as process_gone
 
 from lightning_ft.manager.lighthouse_status import StatusPageUnreadable, read_status_page
-from lightning_ft_job.events import read_events
+from lightning_ft_job.events import EventLogReader
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
 # torchft 0.2.0's status page: "Next quorum status: ... [H/N participants healthy]", N the groups whose quorum request
@@ -43,6 +43,7 @@ class LaunchedJob:
     root: Path
     log_file: Any = field(repr=False)
     log_name: str = "launch.log"  # several launchers may share one root (and event log), each with its own log
+    _events: EventLogReader | None = field(default=None, repr=False)
 
     @property
     def events_dir(self) -> Path:
@@ -59,9 +60,11 @@ class LaunchedJob:
     def events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
         if not self.events_dir.exists():
             return []
+        if self._events is None:  # parses only what was appended since the last call: polled many times a second
+            self._events = EventLogReader(self.events_dir)
         return [
             record
-            for record in read_events(self.events_dir)
+            for record in self._events.records()
             if (event is None or record["event"] == event) and all(record.get(k) == v for k, v in match.items())
         ]
 
