@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers bench-gpu fault-matrix
+.PHONY: demo test test-extra test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers bench-gpu fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +21,16 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not soak and not scale and not control" --durations=25 tests
 
-# Outside `make test` (which stays under 20 minutes on 2 cores): many replica groups at once (8 groups, simultaneous
-# kills), and the control run of the exactly-once test (the default sampler loses samples in the same scenario).
-# About 2 minutes on 2 CPU cores.
+# Outside `make test` (which stays under 20 minutes on 2 cores), and run by CI after it: many replica groups at once
+# (8 groups, simultaneous kills), the control run of the exactly-once test (the default sampler loses samples in the
+# same scenario), and the soak (20 random kills of 3 groups).
 test-extra: $(STAMP)
-	$(BIN)/python -m pytest -m "scale or control" --durations=5 tests
+	$(BIN)/python -m pytest -m "scale or control or soak" --durations=5 tests
+
+# The suite N times, optionally beside busy loops; every run is appended to tests/records/suite_runs.jsonl.
+# Example: make test-repeat ARGS="--runs 3 --busy 2"
+test-repeat: $(STAMP)
+	$(BIN)/python tests/repeat.py $(ARGS)
 
 # The performance benchmarks of docs/benchmarks.md: step time and memory against DDPStrategy, heal throughput, goodput
 # and recovery against torchrun restarts, the cluster-scale model, and the table and plot of every figure against its

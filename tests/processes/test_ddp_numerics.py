@@ -73,6 +73,7 @@ def test_two_groups_of_two_processes_step_as_one_process_on_the_global_batch(lau
     assert len(contributions) == 4 * steps, "every rank of both groups contributes to every step"
     states = job.final_states()
     assert sorted(states) == [(g, r) for g in (0, 1) for r in (0, 1)]
+    assert_bit_identical(states, replicas=4)  # every rank of both groups holds one model, bit for bit
     assert_equal_to_replay(job, steps)
 
 

@@ -43,14 +43,16 @@ def bare_manager() -> FTManager:
     return manager
 
 
-def test_observers_hear_every_wait_and_each_quorum_once():
+def test_observers_hear_every_wait_and_each_quorum_once(monkeypatch):
     manager, recorder = bare_manager(), Recorder()
     manager.add_quorum_observer(recorder)
+    ticks = iter(range(0, 1000, 2))  # every reading of the clock is 2 s after the last: each wait lasts 2 s
+    monkeypatch.setattr("lightning_ft.manager.ft_manager.time.monotonic", lambda: float(next(ticks)))
     assert manager.quorum_id() == -1  # before the first quorum
     completed_quorum(manager, quorum_id=4, participants=2, replica_rank=1)
     for _ in range(3):  # torchft waits on the same quorum for every allreduce and num_participants()
         manager.wait_quorum()
-    assert len(recorder.waits) == 3 and all(seconds >= 0 for seconds in recorder.waits)
+    assert recorder.waits == [2.0, 2.0, 2.0], "each wait is timed from its start to its end"
     assert recorder.quorums == [QuorumSeen(quorum_id=4, participants=2, replica_rank=1)]
     assert manager.quorum_id() == 4
     completed_quorum(manager, quorum_id=5, participants=1, replica_rank=None)
@@ -65,7 +67,7 @@ def test_a_failed_wait_is_timed_and_reports_no_quorum():
     failed: Future[None] = Future()
     failed.set_exception(TimeoutError("no quorum"))
     manager._quorum_future = failed
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="no quorum"):
         manager.wait_quorum()
     assert len(recorder.waits) == 1 and recorder.quorums == []
 
@@ -116,6 +118,6 @@ def test_a_known_quorum_skips_torchft_s_profiler_range_unless_a_profiler_runs(mo
     failed: Future[None] = Future()
     failed.set_exception(TimeoutError("no quorum"))
     manager._quorum_future = failed
-    with pytest.raises(TimeoutError):  # a failed quorum raises torchft's error without the range too
+    with pytest.raises(TimeoutError, match="no quorum"):  # a failed quorum raises torchft's error without the range too
         manager.wait_quorum()
     assert calls == ["torchft", "torchft"]

@@ -180,7 +180,7 @@ class OverflowOnce(pl.Callback):
 def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_travels():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_ft.state import capture_training_state
+    from lightning_ft.state import apply_training_state, capture_training_state
 
     counter = CountCalls()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
@@ -189,13 +189,29 @@ def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_t
     assert counter.quorums == 5 and counter.votes == 5
     assert run.global_step == 5
     assert plugin.scaler.get_scale() < 65536.0  # the overflow backed the scale off
-    assert capture_training_state(run)["precision"]["scale"] == plugin.scaler.get_scale()
+    sent = capture_training_state(run)
+    assert sent["precision"]["scale"] == plugin.scaler.get_scale()
+
+    # A healing replica loads it: its own scaler, in another state, takes the sender's scale and growth tracker.
+    healer_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    healer = trainer(plugins=[healer_plugin], max_steps=1)
+    healer.fit(Regressor(), loader())
+    assert healer_plugin.scaler.state_dict() != plugin.scaler.state_dict()
+    apply_training_state(healer, sent)
+    assert healer_plugin.scaler.state_dict() == plugin.scaler.state_dict()
 
 
 class WithValidation(Regressor):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+
+def validation_loss(model: Regressor, data: torch.utils.data.DataLoader) -> float:
+    """What ``WithValidation`` logs for ``data``, computed here: the mean of its batches' losses (equal batches)."""
+    with torch.no_grad():
+        losses = [torch.nn.functional.mse_loss(model.net(x), y) for x, y in data]
+    return torch.stack(losses).mean().item()
 
 
 def test_validate_and_test_outside_fit_get_a_manager_of_their_own_and_shut_it_down():
@@ -210,7 +226,7 @@ def test_validate_and_test_outside_fit_get_a_manager_of_their_own_and_shut_it_do
     run = trainer(strategy, callbacks=[seen])
     model = WithValidation()
     [metrics] = run.validate(model, loader(n=64))
-    assert "val_loss" in metrics
+    assert metrics["val_loss"] == pytest.approx(validation_loss(model, loader(n=64)), rel=1e-6)
     assert len(seen.managers) == 1  # combined across groups through a Manager...
     assert strategy._handle is None  # ...that teardown shut down
     assert strategy.is_checkpoint_writer  # outside fit, group 0 rank 0 writes
@@ -230,9 +246,11 @@ def test_model_checkpoint_names_do_not_depend_on_what_other_groups_already_wrote
 
 def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
     run = trainer(max_steps=6, val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=2)
-    run.fit(WithValidation(), loader(), loader(n=64))
+    model = WithValidation()
+    run.fit(model, loader(), loader(n=64))
     assert run.global_step == 6
-    assert "val_loss" in run.callback_metrics
+    # The last validation ran after step 6: with the final weights, on the first 2 batches.
+    assert run.callback_metrics["val_loss"].item() == pytest.approx(validation_loss(model, loader(n=16)), rel=1e-6)
 
 
 class BatchNormRegressor(Regressor):
