@@ -169,7 +169,7 @@ def test_a_wait_with_a_timeout_times_out_as_the_backends_own_does():
     watch, _ = make_watch(Signal(None))
     work = watch.track(BackendWork())
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not complete within 0:00:00.2"):
+    with pytest.raises(TimeoutError, match=r"did not complete within 0:00:00\.2"):
         work.wait(timedelta(seconds=0.2))
     assert time.monotonic() - started < 10
     watch.shutdown()
