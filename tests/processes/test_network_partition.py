@@ -142,8 +142,9 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
     Two gates make this deterministic. The cut lands inside the collective: group 1 is held at the start of its
     allreduce (group 0 already waits in its own) while the link goes down, and released into it after. Group 0 is
     held between two batches (heartbeating) from its third solo commit until group 1's request reaches the
-    lighthouse: alone it trains about a hundred steps a second, so it would otherwise finish the job before the
-    partition heals, and group 1 would then find no peer and train alone from its stale state.
+    lighthouse, by a gate set before the cut (it stops by itself, however late the test looks): alone it trains
+    about a hundred steps a second, so it would otherwise finish the job before the partition heals, and group 1
+    would then find no peer and train alone from its stale state.
     """
     max_steps = 200
     lighthouse_log = tmp_path / "lighthouse.log"
@@ -177,6 +178,10 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
         in_allreduce = job1.root / "pause.group1.allreduce"
         in_allreduce.touch()
         held = job1.wait_for("group 1 to stop in its allreduce", lambda: job1.events("paused", group=1))
+        # Group 0 waits in the same allreduce: its last commit is the step before. It stops by itself after three
+        # more (solo) commits, however long this test takes to look.
+        last_together = max(job0.committed_steps(0))
+        hold0 = job0.hold_from_step(0, last_together + 3)
         cut_at = time.time()
         network.partition("group1")
         in_allreduce.unlink()
@@ -184,8 +189,9 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
             "group 1's step to fail",
             lambda: [e for e in job1.events("step", group=1, committed=False) if e["time"] > cut_at],
         )
-        job0.wait_for("group 0 to commit 3 steps on its own", lambda: len(solo_commits(job0, 0, cut_at)) >= 3)
-        (job0.root / "pause.group0").touch()  # group 0's solo quorums show that the lighthouse dropped group 1
+        job0.wait_for("group 0 to stop after 3 more commits", lambda: job0.events("paused", group=0, phase="from_step"))
+        # Its solo quorums show that the lighthouse dropped group 1.
+        assert len(solo_commits(job0, 0, cut_at)) >= 3, job0.events("step", group=0)
         requests_before = quorum_requests(lighthouse_log, group=1)
         healed_at = time.time()
         network.heal("group1")
@@ -194,7 +200,7 @@ def test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals(net
             lambda: quorum_requests(lighthouse_log, group=1) > requests_before,
         )
         asked_at = time.time()
-        (job0.root / "pause.group0").unlink()
+        hold0.unlink()
 
         for job in jobs:
             assert job.wait_exit(timeout=180) == 0, job.tail()
