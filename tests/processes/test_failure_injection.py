@@ -59,10 +59,12 @@ def test_nan_gradients_on_one_replica_are_skipped_by_every_replica(launch):
     start_together(job, groups=2, nproc=1)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     rejected = job.events("step_rejected")
-    assert sorted((e["group"], e["step"]) for e in rejected) == [(0, 10), (1, 10)], rejected
-    for group in (0, 1):
-        uncommitted = [e["step"] for e in job.events("step", group=group, committed=False)]
-        assert uncommitted == [10], f"group {group}: uncommitted steps {uncommitted}"
+    assert [e["step"] for e in rejected if e["group"] == 0] == [10], rejected  # the NaN step, once
+    # Every group that averaged the NaN gradient (that step's quorum) skipped it alike. Both, unless a starved
+    # heartbeat had cost group 1 that quorum: then group 1 took its own step and heals back; the result is the same.
+    [vote] = [e for e in job.events("step", group=0, committed=False) if e["step"] == 10]
+    expected = [(0, 10), (1, 10)] if vote["participants"] == 2 else [(0, 10)]
+    assert sorted((e["group"], e["step"]) for e in rejected) == expected, (vote, rejected)
     assert [e["group"] for e in job.events("failure_injected")] == [0]
     record("NaN gradients on one replica", job, failed_at=injected_at(job), victim=0, survivors=[1])
 
