@@ -129,12 +129,18 @@ class DiLoCoSync:
         return index
 
     def perform(self, protocol: StepProtocol, index: int) -> bool:
-        """Finish fragment ``index``'s sync: wait for its allreduce, restore its global parameters, vote, and on a
-        commit take the outer step and mix in the local parameters by ``fragment_update_alpha``. A sync that does not
+        """Finish fragment ``index``'s sync: average the buffers' change (BatchNorm statistics belong to no fragment),
+        wait for the fragment's allreduce, restore its global parameters, vote, and on a commit take the outer step
+        and mix in the local parameters by ``fragment_update_alpha``. A sync that does not
         commit leaves the fragment at its global parameters (torchft restores them before the vote), which throws
         away the fragment's inner steps since its last sync."""
+        buffers = protocol.buffers  # not part of any fragment: their change is averaged at every sync, before the vote
+        if buffers is not None:
+            buffers.average()
         committed = self._diloco._fragments[index].perform_sync()
         protocol.record_commit(committed)
+        if buffers is not None:
+            buffers.settle(committed)
         return committed
 
     def sync(self, protocol: StepProtocol) -> bool:

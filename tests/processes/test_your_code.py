@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from harness import LaunchedJob
+from harness import LaunchedJob, assert_tree_equal
 from test_fault_tolerance import GATES, assert_outcome, kill_and_restart, start_together
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -60,6 +60,21 @@ def test_without_the_buffer_average_the_groups_end_as_two_models(launch):
         if name not in BUFFERS:
             assert torch.equal(tensor, second[name]), name
     assert not torch.equal(first["net.1.running_mean"], second["net.1.running_mean"])
+
+
+def test_a_batchnorm_model_under_diloco_ends_as_one_model(launch):
+    """2 groups × 1 process, DiLoCo with 2 fragments, a sync every 4 inner steps: buffers belong to no fragment, and
+    each sync averages their change, so the groups end (at a sync) with one model, running statistics included."""
+    max_steps = 16
+    args = ["--async-quorum=0", "--algorithm=diloco", "--sync-every=4", "--fragments=2", "--fragment-sync-delay=0"]
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--batchnorm", *args, *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+    states = job.final_states()
+    assert len(states) == 2, sorted(states)
+    first, second = (state["model"] for state in states.values())
+    assert_tree_equal(first, second, "model")
+    assert not torch.equal(first["net.1.running_mean"], torch.zeros_like(first["net.1.running_mean"]))
 
 
 def samples_by_step(job: LaunchedJob) -> dict[int, dict[int, set[int]]]:
