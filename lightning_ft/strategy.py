@@ -342,7 +342,12 @@ class FTStrategy(ShardedGroupHooks):
                 "started", attempt=torchrun_restart_count(), ppid=os.getppid(), replica_groups=self.num_replica_groups
             )
             self._lifecycle.start_where_the_job_is(trainer, self._protocol, self._patches)
-        self._collectives = CrossGroupCollectives(self._handle.manager, self._protocol, self._section_position)
+        self._collectives = CrossGroupCollectives(
+            self._handle.manager,
+            self._protocol,
+            self._section_position,
+            expected_groups=self.num_replica_groups if self.settings.world_size_mode == "dynamic" else None,
+        )
 
     def _model_buffers(self) -> ModelBuffers | None:
         """The model's buffers, averaged across the job at each vote, unless ``buffer_sync="off"``."""

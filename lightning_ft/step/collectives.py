@@ -51,6 +51,7 @@ from torchft import Manager
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_ft.step.protocol import StepProtocol
+from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 T = TypeVar("T")
@@ -70,6 +71,9 @@ class CrossGroupCollectives:
             section must be at the same position, which the section's handshake checks.
         max_attempts: How many section quorums a sync-section collective tries before it falls back to the group's
             own value.
+        expected_groups: How many replica groups a section should count (every group of the job); a section quorum
+            with fewer is said so, in the log and the event log (``section_partial``): its values cover the data of
+            the groups in it only. ``None``: not checked (with spare groups, fewer take part by design).
     """
 
     def __init__(
@@ -78,11 +82,13 @@ class CrossGroupCollectives:
         protocol: StepProtocol | None,
         position: Callable[[], tuple[int, ...]] = lambda: (),
         max_attempts: int = 3,
+        expected_groups: int | None = None,
     ) -> None:
         self.manager = manager
         self.protocol = protocol
         self.position = position
         self.max_attempts = max_attempts
+        self.expected_groups = expected_groups
         self._handshake_due = False
         # A section is identified by the number of step quorums opened before it: the next step quorum ends it.
         self._section: int | None = None
@@ -239,6 +245,7 @@ class CrossGroupCollectives:
         if rank is not None:
             buffer[rank * slot.numel() : (rank + 1) * slot.numel()] = slot
         self._allreduce_sum(buffer)
+        self._say_if_partial(slots)
         if slot.numel() == 0 or slots == 0:
             return
         positions = buffer[:-1].clone().reshape(slots, slot.numel()).view(torch.int64)
@@ -249,6 +256,24 @@ class CrossGroupCollectives:
                     f"replica groups are out of step: participant {index} is at {other.tolist()}, "
                     f"expected {expected.tolist()} (committed step, epoch, batches read)"
                 )
+
+    def _say_if_partial(self, participants: int) -> None:
+        """A section whose quorum lacks some of the job's groups (dead, restarting, cut off): what is reduced in it
+        (validation and test metrics, an epoch's torchmetrics) covers the data of the groups in it only. Said once
+        per section quorum, by every group's rank 0."""
+        expected = self.expected_groups
+        if expected is None or participants >= expected:
+            return
+        log.warning(
+            "lightning-ft: %d of %d replica groups take part in this evaluation or epoch end; the others are dead or "
+            "restarting. Metrics reduced here (sync_dist, torchmetrics) cover the data of these %d groups only.",
+            participants,
+            expected,
+            participants,
+        )
+        events.emit(
+            "section_partial", participants=participants, replica_groups=expected, step=self.manager.current_step()
+        )
 
     def _allreduce_sum(self, buffer: Tensor) -> None:
         manager = self.manager

@@ -231,3 +231,36 @@ def test_groups_at_different_positions_do_not_combine_their_values(caplog):
     assert all(len(manager.quorums) == 3 for manager in job.managers)
     assert "3 section quorums in a row failed" in caplog.text
     assert "replica groups are out of step: participant 1 is at [6, 0, 69], expected [7, 0, 70]" in caplog.text
+
+
+def test_a_section_without_every_group_says_its_values_cover_the_groups_in_it_only(caplog, tmp_path, monkeypatch):
+    """Validation with one of three groups dead: the two live groups reduce over their own shards only, and say so
+    (a warning and a ``section_partial`` event); with every group there, nothing is said."""
+    from lightning_ft_job import events
+
+    monkeypatch.setenv(events.ENV_EVENTS_DIR, str(tmp_path))
+    events.configure(replica_group_id=0, group_rank=0)
+    job = FakeJob([0, 1])  # the job's third group is not in the quorum
+    for manager in job.managers:
+        manager.current_step = lambda: 12  # type: ignore[attr-defined]
+
+    def run(expected: int) -> list[Any]:
+        collectives = [
+            CrossGroupCollectives(manager, FakeProtocol(quorum_open=False), expected_groups=expected)  # type: ignore[arg-type]
+            for manager in job.managers
+        ]
+        for each in collectives:
+            each.open_section()
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda c: c.reduce(torch.tensor(1.0), "sum").item(), collectives))
+
+    try:
+        assert run(expected=2) == [2.0, 2.0]
+        assert "take part" not in caplog.text and not events.read_events(tmp_path)
+        assert run(expected=3) == [2.0, 2.0]
+    finally:
+        monkeypatch.setenv(events.ENV_EVENTS_DIR, "")
+        events.configure(replica_group_id=0, group_rank=0)  # the event log off again
+    assert caplog.text.count("2 of 3 replica groups take part in this evaluation or epoch end") == 2
+    partial = [r for r in events.read_events(tmp_path) if r["event"] == "section_partial"]
+    assert [(r["participants"], r["replica_groups"], r["step"]) for r in partial] == [(2, 3, 12)] * 2
