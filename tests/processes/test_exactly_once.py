@@ -267,3 +267,41 @@ def test_exactly_once_data_with_a_hot_spare_taking_a_dead_groups_place(launch):
     contributions = committed_contributions(job)
     assert len(contributions) == 2 * MAX_STEPS  # two contributing groups in every committed step
     assert_exactly_once(contributions)
+
+
+@pytest.mark.timeout(420)
+def test_exactly_once_data_resumed_with_fewer_and_more_groups_reads_on_where_the_checkpoint_left_off(launch, tmp_path):
+    """A 2-group job commits 24 steps (48 group batches) and stops, its checkpoint at step 24. From that file alone, a
+    1-group and a 3-group job each resume to step 44. The first job's committed samples and each resumed job's
+    together are a prefix of the permutation stream, crossing the epoch boundary: the resume neither skips nor repeats
+    a sample, whatever the number of groups (the stream's position is torchft's ``batches_committed``, which the
+    checkpoint holds, not a per-group shard)."""
+    data = [f"--index-data={SAMPLES}", f"--batch-size={BATCH}", "--data-mode=exactly_once", "--ckpt-every=12", *GATES]
+    first = launch("first", groups=2, worker_args=["--max-steps=24", f"--ckpt-dir={tmp_path / 'first_ckpts'}", *data])
+    start_together(first, groups=2, nproc=1)
+    assert first.wait_exit() == 0, first.tail()
+    before = committed_contributions(first)
+    assert len(before) == 2 * 24, len(before)
+
+    resumed = {}
+    for groups in (1, 3):
+        ckpt_dir = tmp_path / f"resume_{groups}_ckpts"
+        ckpt_dir.mkdir()
+        (ckpt_dir / "last.ckpt").write_bytes((tmp_path / "first_ckpts" / "last.ckpt").read_bytes())
+        resumed[groups] = launch(
+            f"resume_{groups}", groups=groups, worker_args=["--max-steps=44", f"--ckpt-dir={ckpt_dir}", "--resume", *data]
+        )
+    for groups, job in resumed.items():
+        start_together(job, groups=groups, nproc=1)
+    for groups, job in resumed.items():
+        assert job.wait_exit() == 0, job.tail()
+        assert not job.events("healed"), f"{groups} groups resumed from one checkpoint must not need healing"
+        states = job.final_states()
+        assert sorted(states) == [(g, 0) for g in range(groups)], sorted(states)
+        for key, state in states.items():
+            assert state["global_step"] == state["manager_step"] == 44, (groups, key, state["global_step"])
+        assert_bit_identical(states, replicas=groups)
+        after = committed_contributions(job)
+        assert len(after) == groups * 20, (groups, len(after))
+        assert min(record["cursor"] for record in after) == 48, f"{groups} groups did not read on at group batch 48"
+        assert_exactly_once(before + after)
