@@ -180,3 +180,24 @@ def test_a_batchnorm_model_with_adamw_and_a_rejected_vote_steps_as_one_process_r
                     state["optimizers"][0]["state"][index][field].float(), value.float(), rtol=1e-4, atol=1e-7,
                     msg=f"{key} optimizer state {index}.{field}",
                 )  # fmt: skip
+
+
+def test_accumulation_over_four_micro_batches_with_a_participant_change_mid_window_steps_as_one_process(launch):
+    """2 groups × 1 process, synchronous quorum, SGD, accumulation over 4 micro-batches. Group 1 is SIGKILLed at the
+    start of micro-batch 1 of a window (its first micro-batch's gradient is accumulated, none has left the process);
+    group 0's step fails at the cross-group allreduce and is not committed, group 0 commits alone meanwhile, and the
+    restarted group 1 heals and joins. One process replaying every committed step on the union of the contributing
+    groups' four micro-batches ends with the groups' parameters (to float summation order): nothing of the
+    half-accumulated window reaches any committed step, and each committed step averages exactly its participants'
+    whole windows."""
+    from test_your_code import kill_at_gate
+
+    max_steps = 36  # the survivor is held 20 steps after the victim's third, until the restart asks for a quorum
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--accumulate=4", "--async-quorum=0", *SGD, *GATES])
+    start_together(job, groups=2, nproc=1)
+    kill_at_gate(job, victim=1, survivor=0, gate="micro_batch", value="1", phase="micro_batch")
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+    assert {e["participants"] for e in job.events("step", group=0, committed=True)} == {1, 2}
+    contributions = committed_contributions(job)
+    assert all(len(record["ids"]) == 4 * 16 for record in contributions), "a contribution is four whole micro-batches"
+    assert_equal_to_replay(job, max_steps)

@@ -200,17 +200,22 @@ class RecordBatches(pl.Callback):
       that step under that quorum, every participant's gradient was in its average (an allreduce completes only
       with all of them), so the record counts even when this process is killed before the vote. Taken at batch
       start with a synchronous quorum (formed by then); with an asynchronous one, before the optimizer step (the
-      record may then miss a contribution sent just before a kill; no test relies on it there).
+      record may then miss a contribution sent just before a kill; no test relies on it there). With gradient
+      accumulation the ids are those of the optimizer step's micro-batches so far, so the last record of a step holds
+      every sample its gradient was accumulated from.
     * ``batch``, at the batch end: the committed step after it, the loop position, the ids, and the vote.
     """
 
-    def __init__(self, quorum_formed_at_batch_start: bool) -> None:
+    def __init__(self, quorum_formed_at_batch_start: bool, accumulate: int = 1) -> None:
         self._at_batch_start = quorum_formed_at_batch_start
+        self._accumulate = accumulate
+        self._window: list[int] = []  # the ids of this optimizer step's micro-batches so far
         self._ids: list[int] = []
         self._key: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
-        self._ids = batch[2].tolist()
+        self._window.extend(batch[2].tolist())
+        self._ids = list(self._window)
         self._key = {}
         if self._at_batch_start:
             self._record(trainer)
@@ -233,6 +238,7 @@ class RecordBatches(pl.Callback):
         )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        window_end = (trainer.fit_loop.batch_idx + 1) % self._accumulate == 0  # the optimizer step's last micro-batch
         events.emit(
             "batch",
             **self._key,
@@ -240,8 +246,11 @@ class RecordBatches(pl.Callback):
             epoch=trainer.current_epoch,
             batch_idx=trainer.fit_loop.batch_idx,
             ids=batch[2].tolist(),
-            committed=trainer.strategy.step_protocol.last_step_committed,
+            # None before the window's last micro-batch: the step has not been voted on yet
+            committed=trainer.strategy.step_protocol.last_step_committed if window_end else None,
         )
+        if window_end:
+            self._window = []
 
 
 def due(global_step: int, hold: str) -> bool:
@@ -596,7 +605,7 @@ def main() -> None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.index_data is not None:
         sync_quorum = not args.async_quorum or args.data_mode == "exactly_once"
-        callbacks.append(RecordBatches(quorum_formed_at_batch_start=sync_quorum))
+        callbacks.append(RecordBatches(quorum_formed_at_batch_start=sync_quorum, accumulate=args.accumulate))
     if args.ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=True)
