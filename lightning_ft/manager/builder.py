@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from torchft.process_group import ProcessGroup
 
 from lightning_ft.manager.ft_manager import FTManager
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport
-from lightning_ft.manager.internals import install_client, left_behind_watch, manager_client
+from lightning_ft.manager.internals import install_client, left_behind_watch, manager_client, new_manager_client
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
@@ -192,7 +192,12 @@ def build_manager(
             if settings.world_size_mode == "fixed_with_spares"
             else WorldSizeMode.DYNAMIC,
         )
-    client, outage_client = composed_client(manager_client(manager), settings, group_world_size)
+    client, outage_client = composed_client(
+        manager_client(manager),
+        settings,
+        group_world_size,
+        new_client=new_manager_client(manager, settings.connect_timeout) if settings.lighthouse is not None else None,
+    )
     install_client(manager, client)
     watch = left_behind_watch(manager)
     if watch is not None:  # the process group exists before the Manager: its events name the Manager's step
@@ -225,7 +230,7 @@ def lighthouse_reached(lighthouse_addr: str | None, settings: FTSettings) -> Ite
 
 
 def composed_client(
-    client: Any, settings: FTSettings, group_world_size: int
+    client: Any, settings: FTSettings, group_world_size: int, new_client: Callable[[], Any] | None = None
 ) -> tuple[Any, OutageTolerantClient | None]:
     """The Manager's RPC client, wrapped once for everything lightning-ft changes about its requests.
 
@@ -233,7 +238,8 @@ def composed_client(
       (:class:`~lightning_ft.manager.lighthouse_outage.OutageTolerantClient`). The quorum request is the only RPC
       that depends on the lighthouse, and torchft makes it from its own quorum thread (a step's quorum, a sync
       section's, a semi-synchronous sync's), so the client is the one place that sees every one of them. An
-      embedded lighthouse lives and dies with this process: nothing to ride out.
+      embedded lighthouse lives and dies with this process: nothing to ride out. ``new_client`` makes a second
+      connection to the same ManagerServer, with which the wrapper releases a request an outage left hanging.
     * A one-process group takes its commit vote in process (:class:`~lightning_ft.manager.local_vote.LocalCommitVote`).
     * Outermost, this process's own vote inputs are read after torchft's device sync
       (:class:`~lightning_ft.manager.vote_inputs.VoteInputs`).
@@ -244,7 +250,10 @@ def composed_client(
     if settings.lighthouse is not None:
         outage_timeout = settings.lighthouse_outage_timeout
         outage_client = client = OutageTolerantClient(
-            client, settings.lighthouse, None if outage_timeout is None else outage_timeout.total_seconds()
+            client,
+            settings.lighthouse,
+            None if outage_timeout is None else outage_timeout.total_seconds(),
+            new_client=new_client,
         )
     if group_world_size == 1:
         client = LocalCommitVote(client)

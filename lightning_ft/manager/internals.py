@@ -18,6 +18,10 @@ They take any Manager (or a test's stand-in with the same attributes):
   (through ``Manager._pg``).
 * :func:`install_client`: replaces the Manager's RPC client (``Manager._client``) once, with the composed wrapper of
   :mod:`lightning_ft.manager.builder`. Upstream hook: client injection in the Manager's constructor.
+* :func:`new_manager_client`: a second RPC client to this rank's ManagerServer (its address from the group's store,
+  ``Manager._store``, under torchft's ``MANAGER_ADDR_KEY``), with which
+  :mod:`lightning_ft.manager.lighthouse_outage` releases a quorum request that a lighthouse outage left hanging.
+  Upstream hook: a ManagerServer that answers its pending quorum requests with the lighthouse's error.
 
 The quorum id and the quorum observers are :class:`~lightning_ft.manager.ft_manager.FTManager` methods.
 """
@@ -29,9 +33,22 @@ from datetime import timedelta
 from typing import Any
 
 from torchft import Manager, ProcessGroupGloo
+from torchft._torchft import ManagerClient
+from torchft.manager import MANAGER_ADDR_KEY
 from torchft.process_group import ProcessGroup
 
 from lightning_ft.manager.left_behind import LeftBehindWatch
+
+
+def new_manager_client(manager: Manager, connect_timeout: timedelta) -> Callable[[], Any]:
+    """A factory of fresh ``ManagerClient`` s to this rank's ManagerServer (the one :func:`manager_client` talks to).
+    The address is read now; each call connects anew."""
+    address = manager._store.get(MANAGER_ADDR_KEY).decode("utf-8")
+
+    def connect() -> Any:
+        return ManagerClient(address, connect_timeout=connect_timeout)
+
+    return connect
 
 
 def cross_group_process_group(manager: Manager) -> ProcessGroup:

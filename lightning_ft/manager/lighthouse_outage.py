@@ -27,9 +27,23 @@ step. Until a quorum forms, each request is bounded by ``quorum_timeout`` and th
 ``lighthouse_outage_timeout``. Nothing was exchanged and nothing committed meanwhile, so no step is lost or applied
 twice.
 
-Only one request per rank is in flight at a time: the ManagerServer counts one request per group rank, so an
-abandoned extra request would pair with a later one and break the next quorum. A request already doomed when the
-lighthouse returns therefore still runs out its ``quorum_timeout``.
+**The request the outage left hanging.** A request in flight when the lighthouse dies is doomed: once every rank
+of the group has asked, the ManagerServer forwards one request to the lighthouse, that fails, and the ManagerServer
+answers nobody, so each rank's request would run out its whole ``quorum_timeout`` (60 s by default) however short the
+outage. But the ManagerServer answers *every* pending request of a rank when the group's next quorum forms (it
+broadcasts the lighthouse's answer to every waiting request). So once a lighthouse that was seen unreachable during a
+request has been back for the rejoin grace, the watchdog asks again for the same step from a fresh connection
+(:func:`~lightning_ft.manager.internals.new_manager_client`), on a thread of its own. With every rank of the group
+doing the same, the group's next quorum forms and answers the hanging request too: training resumes about the
+rejoin grace after the lighthouse is back, whatever ``quorum_timeout`` is. The rescue's own answer is dropped.
+
+The ManagerServer keeps one request per group rank until every rank has asked. A rescue therefore goes out only for a
+request that was pending while a probe failed: for a one-process group that request had been forwarded (it forwards
+at once) and is surely doomed. In a group of several processes a rank whose peers had not asked yet when the
+lighthouse died may still be answered by their requests; the rescue comes a rejoin grace later, by when those peers
+have asked (a quorum request follows the step by milliseconds), so it joins their set or the next one rather than
+lingering. If a rescue finds the hanging request already answered, its entry would pair with the next step's
+requests: the window is the few milliseconds between the check and the rescue's arrival.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,6 +72,20 @@ PROBE_TIMEOUT_S = 2.0
 # that every live group is heartbeating again, and the groups rejoin in one quorum at the step where they stopped.
 # (Measured: heartbeats were back within a second of the restart.)
 REJOIN_GRACE_S = 11.0
+
+
+@dataclass
+class PendingRequest:
+    """A quorum request in flight, as the watchdog sees it."""
+
+    since: float
+    request: dict[str, Any]
+    doomed: bool = False  # a probe failed while it was pending: the ManagerServer will not answer it
+    rescued: bool = False  # a rescue went out since the lighthouse last came back
+
+    @property
+    def step(self) -> int | None:
+        return self.request.get("step")
 
 
 class LighthouseUnavailableError(RuntimeError):
@@ -90,6 +119,8 @@ class OutageTolerantClient:
         clock, sleep: Time sources (replaceable in tests).
         probe_interval: Seconds between probes while a request is pending or the lighthouse is down.
         rejoin_grace: Seconds a returned lighthouse must have been reachable before the request is made again.
+        new_client: Makes a fresh client to the same ManagerServer, for the rescue of a request the outage left
+            hanging; ``None``: no rescue, the hanging request runs out its timeout.
     """
 
     def __init__(
@@ -102,6 +133,7 @@ class OutageTolerantClient:
         sleep: Callable[[float], None] = time.sleep,
         probe_interval: float = PROBE_INTERVAL_S,
         rejoin_grace: float = REJOIN_GRACE_S,
+        new_client: Callable[[], Any] | None = None,
     ) -> None:
         self._client = client
         self._lighthouse = lighthouse
@@ -114,7 +146,9 @@ class OutageTolerantClient:
         self._outage_since: float | None = None  # set from the first failed probe until a quorum succeeds
         self._up_since: float | None = None  # the first successful probe since the latest failed one
         self._state = threading.Lock()  # the outage record is written by the requesting thread and the watchdog
-        self._pending: tuple[float, int | None] | None = None  # (since, step) of the request in flight
+        self._new_client = new_client
+        self._pending: PendingRequest | None = None  # the request in flight
+        self.rescues = 0  # rescues sent (read by tests)
         self._stopped = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -143,7 +177,7 @@ class OutageTolerantClient:
         """One quorum request, on the calling thread; the watchdog probes the lighthouse while it is pending.
         Returns its result or its error."""
         self._start_watchdog()
-        self._pending = (self._clock(), request.get("step"))
+        self._pending = PendingRequest(self._clock(), request)
         try:
             return self._client._quorum(**request)
         except Exception as error:
@@ -157,22 +191,62 @@ class OutageTolerantClient:
             self._watchdog.start()
 
     def _watch(self) -> None:
-        """Once per probe interval: if a request has been pending that long, probe; an unreachable lighthouse starts
-        the outage (its warning) while the request is still running out its timeout."""
+        """Once per probe interval: if a request has been pending that long, probe. An unreachable lighthouse starts
+        the outage (its warning) and dooms the request; once the lighthouse has been back for the rejoin grace, the
+        doomed request is rescued."""
         while not self._stopped.wait(self._probe_interval):
             pending = self._pending
-            if pending is None or self._clock() - pending[0] < self._probe_interval:
+            if pending is None or self._clock() - pending.since < self._probe_interval:
                 continue
-            if not self._probe():
-                self._begin_outage(pending[1])
+            self._check(pending)
+
+    def _check(self, pending: PendingRequest) -> None:
+        if not self._probe():
+            pending.doomed, pending.rescued = True, False
+            self._begin_outage(pending.step)
+        elif pending.doomed and not pending.rescued and self._back_for(self._rejoin_grace):
+            pending.rescued = True
+            if self._new_client is not None and self._pending is pending:
+                self._rescue(pending)
+
+    def _back_for(self, seconds: float) -> bool:
+        with self._state:
+            return self._up_since is not None and self._clock() - self._up_since >= seconds
+
+    def _rescue(self, pending: PendingRequest) -> None:
+        """Ask again for the pending request's step from a fresh connection, on a thread of its own: the quorum it
+        forms answers the hanging request as well (see the module docstring). Its own answer or error is dropped."""
+        assert self._new_client is not None
+        new_client = self._new_client
+        self.rescues += 1
+        log.info(
+            "lightning-ft: the lighthouse at %s is back; asking again for the quorum of step %s, which the outage left "
+            "without an answer.",
+            self._lighthouse,
+            pending.step,
+        )
+        events.emit("quorum_rescue", lighthouse=self._lighthouse, step=pending.step)
+
+        def ask() -> None:
+            try:
+                new_client()._quorum(**pending.request)
+            except Exception as error:  # the hanging request reports its own outcome; this one is only a nudge
+                log.debug("lightning-ft: the rescue request for step %s failed: %s", pending.step, error)
+
+        threading.Thread(target=ask, name="lightning_ft_quorum_rescue", daemon=True).start()
 
     def _probe(self) -> bool:
         reachable = self._reachable(self._lighthouse)
+        returned = None
         with self._state:
             if not reachable:
                 self._up_since = None
             elif self._up_since is None:
                 self._up_since = self._clock()
+                if self._outage_since is not None:
+                    returned = self._up_since - self._outage_since
+        if returned is not None:
+            events.emit("lighthouse_reachable", lighthouse=self._lighthouse, unreachable_s=round(returned, 3))
         return reachable
 
     def _wait_for_lighthouse(self, cause: BaseException) -> None:

@@ -289,7 +289,9 @@ def test_exactly_once_data_resumed_with_fewer_and_more_groups_reads_on_where_the
         ckpt_dir.mkdir()
         (ckpt_dir / "last.ckpt").write_bytes((tmp_path / "first_ckpts" / "last.ckpt").read_bytes())
         resumed[groups] = launch(
-            f"resume_{groups}", groups=groups, worker_args=["--max-steps=44", f"--ckpt-dir={ckpt_dir}", "--resume", *data]
+            f"resume_{groups}",
+            groups=groups,
+            worker_args=["--max-steps=44", f"--ckpt-dir={ckpt_dir}", "--resume", *data],
         )
     for groups, job in resumed.items():
         start_together(job, groups=groups, nproc=1)

@@ -26,9 +26,16 @@ from support import FakeClock
 from test_fault_tolerance import GATES, start_together
 
 from lightning_ft import FTConfigError, FTStrategy, LighthouseUnavailableError
-from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
+from lightning_ft.manager.lighthouse_outage import (
+    PROBE_INTERVAL_S,
+    REJOIN_GRACE_S,
+    OutageTolerantClient,
+    PendingRequest,
+    lighthouse_reachable,
+)
 
 LIGHTHOUSE_URL = "http://127.0.0.1:29510"
+JOIN_TIMEOUT_S = 10.0  # the standalone lighthouse's join timeout below
 
 
 # ---------------------------------------------------------------------------------------------------- unit tests
@@ -113,6 +120,69 @@ def test_an_outage_longer_than_the_limit_fails_naming_the_setting():
     assert 120.0 < clock.now < 121.0
 
 
+def rescue_setup(clock: FakeClock, reachable: list[bool]) -> tuple[OutageTolerantClient, list[ScriptedClient], Any]:
+    """A wrapper whose fresh clients are recorded, and a pending request (as :meth:`_attempt` leaves it)."""
+    fresh: list[ScriptedClient] = []
+
+    def new_client() -> ScriptedClient:
+        fresh.append(ScriptedClient("the rescue's own quorum"))
+        return fresh[-1]
+
+    outage = OutageTolerantClient(
+        ScriptedClient(), LIGHTHOUSE_URL, 600.0, reachable=lambda url: reachable[0], clock=clock, sleep=clock.sleep,
+        new_client=new_client,
+    )  # fmt: skip
+    outage._pending = pending = PendingRequest(clock(), request(step=7))
+    return outage, fresh, pending
+
+
+def wait_rescued(fresh: list[ScriptedClient], count: int) -> None:
+    deadline = time.monotonic() + 10
+    while sum(len(client.requests) for client in fresh) < count:
+        assert time.monotonic() < deadline, "the rescue request was not made"
+        time.sleep(0.01)
+
+
+def test_a_request_pending_while_the_lighthouse_was_down_is_rescued_once_after_the_rejoin_grace():
+    """The request in flight when the lighthouse died is never answered by torchft's ManagerServer. Once a probe
+    failed during it and the lighthouse has been back for the rejoin grace, the same request goes out once from a
+    fresh connection (whose quorum answers the hanging one too); not before the grace, and not twice."""
+    clock, reachable = FakeClock(), [False]
+    outage, fresh, pending = rescue_setup(clock, reachable)
+    outage._check(pending)
+    assert pending.doomed and not fresh
+    reachable[0] = True
+    outage._check(pending)
+    clock.sleep(outage._rejoin_grace - 0.5)
+    outage._check(pending)
+    assert not fresh, "rescued before the lighthouse had been back for the rejoin grace"
+    clock.sleep(0.5)
+    outage._check(pending)
+    wait_rescued(fresh, 1)
+    assert fresh[0].requests == [request(step=7)] and outage.rescues == 1
+    outage._check(pending)
+    assert outage.rescues == 1, "a second rescue for the same return of the lighthouse"
+    reachable[0] = False  # down again: the rescue's quorum failed too; the next return gets another rescue
+    outage._check(pending)
+    reachable[0] = True
+    outage._check(pending)
+    clock.sleep(outage._rejoin_grace)
+    outage._check(pending)
+    wait_rescued(fresh, 2)
+    assert outage.rescues == 2
+
+
+def test_a_request_never_pending_during_an_outage_is_not_rescued():
+    """A slow quorum with the lighthouse up (a group waiting for its peers) is left alone: a second request from the
+    same rank would stay in the ManagerServer and pair with the next step's."""
+    clock = FakeClock()
+    outage, fresh, pending = rescue_setup(clock, [True])
+    for _ in range(3):
+        outage._check(pending)
+        clock.sleep(outage._rejoin_grace)
+    assert not pending.doomed and not fresh and outage.rescues == 0
+
+
 def test_lighthouse_outage_timeout_is_validated():
     assert FTStrategy().settings.lighthouse_outage_timeout.total_seconds() == 600
     assert FTStrategy(lighthouse_outage_timeout=None).settings.lighthouse_outage_timeout is None
@@ -159,7 +229,7 @@ class LighthouseProcess:
                     "lighthouse",
                     f"--bind=127.0.0.1:{self.port}",
                     # The launcher's local values: a dead group is noticed in a second, stragglers waited for 10 s.
-                    "--join-timeout-ms=10000",
+                    f"--join-timeout-ms={JOIN_TIMEOUT_S * 1000:.0f}",
                     "--heartbeat-timeout-ms=1000",
                 ],
                 cwd=REPO,
@@ -220,12 +290,21 @@ def committed_together(job: LaunchedJob, group: int, after: float = 0.0) -> list
 def test_training_stalls_while_the_lighthouse_is_down_and_resumes_when_it_is_back(launch, lighthouse):
     """Two groups train against a lighthouse of their own; it is SIGKILLed after a few joint commits. Both groups
     report the stall, nobody crashes; a new lighthouse on the same port lets them rejoin in one quorum at the step
-    where they stopped (no heal), and the job ends at max_steps with bit-identical replicas."""
+    where they stopped (no heal), and the job ends at max_steps with bit-identical replicas.
+
+    The quorum requests in flight at the kill are never answered by torchft's ManagerServer; without the rescue
+    (``lighthouse_outage``) each ran out ``quorum_timeout`` before the groups asked again. Here ``quorum_timeout`` is
+    120 s, and training must resume within a bound of the settings that does not involve it: the rejoin grace, two
+    probe intervals (noticing the return, then the rescue's turn), the lighthouse's join timeout and 10 s for a busy
+    machine."""
     max_steps = 30
+    quorum_timeout = 120.0
+    bound = REJOIN_GRACE_S + 2 * PROBE_INTERVAL_S + JOIN_TIMEOUT_S + 10.0
+    assert bound < quorum_timeout / 2
     lighthouse.spawn()  # both start up meanwhile; a Manager retries connecting for connect_timeout (30 s)
     job = launch(
         groups=2,
-        worker_args=[f"--max-steps={max_steps}", "--quorum-timeout=10", *GATES],
+        worker_args=[f"--max-steps={max_steps}", f"--quorum-timeout={quorum_timeout:g}", *GATES],
         launcher_args=["--lighthouse", lighthouse.url],
     )
     lighthouse.wait_listening()
@@ -268,6 +347,9 @@ def test_training_stalls_while_the_lighthouse_is_down_and_resumes_when_it_is_bac
         assert resumed, f"group {group} committed nothing together after the lighthouse restart"
         assert resumed[0]["step"] == stalled_at[group] + 1, (resumed[0], stalled_at)
         assert not [e for e in job.events("healed", group=group) if e["time"] > killed_at], "a group had to heal"
+        resumed_after = resumed[0]["time"] - restarted_at
+        assert resumed_after < bound, f"group {group} resumed {resumed_after:.1f}s after the lighthouse was back"
+        assert job.events("lighthouse_reachable", group=group), f"group {group} logged no lighthouse return"
     assert "is unreachable; training is stalled" in job.log_path.read_text(errors="replace")
     report_figures(job, killed_at, restarted_at, stalled_at)
 
