@@ -19,13 +19,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not soak and not scale and not control" --durations=25 tests
+	$(BIN)/python -m pytest -m "not soak and not scale and not control and not paths" --durations=25 tests
 
 # Outside `make test` (which stays under 20 minutes on 2 cores), and run by CI after it: many replica groups at once
 # (8 groups, simultaneous kills), the control run of the exactly-once test (the default sampler loses samples in the
 # same scenario), and the soak (20 random kills of 3 groups).
 test-extra: $(STAMP)
-	$(BIN)/python -m pytest -m "scale or control or soak" --durations=5 tests
+	$(BIN)/python -m pytest -m "scale or control or soak or paths" --durations=5 tests
 
 # The suite N times, optionally beside busy loops; every run is appended to tests/records/suite_runs.jsonl.
 # Example: make test-repeat ARGS="--runs 3 --busy 2"

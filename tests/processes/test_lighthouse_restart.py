@@ -297,18 +297,51 @@ def test_training_stalls_while_the_lighthouse_is_down_and_resumes_when_it_is_bac
     120 s, and training must resume within a bound of the settings that does not involve it: the rejoin grace, two
     probe intervals (noticing the return, then the rescue's turn), the lighthouse's join timeout and 10 s for a busy
     machine."""
+    run_lighthouse_restart(launch, lighthouse, nproc=1, worker_args=[], quorum_timeout=120.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.paths
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    "nproc, worker_args, quorum_timeout, down_longer",
+    [
+        pytest.param(2, ["--async-quorum=0"], 120.0, False, id="synchronous-quorum-2-processes-per-group"),
+        pytest.param(1, [], 10.0, True, id="down-longer-than-quorum-timeout"),
+    ],
+)
+def test_a_lighthouse_restart_on_other_paths(
+    launch, lighthouse, nproc: int, worker_args: list[str], quorum_timeout: float, down_longer: bool
+):
+    """The same outage with a synchronous quorum in groups of two processes (every rank's request hangs, every rank
+    rescues its own), and with the lighthouse down for longer than ``quorum_timeout`` (the hanging requests time out
+    first; the groups ask again once it is back). ``make test-extra``."""
+    run_lighthouse_restart(
+        launch, lighthouse, nproc=nproc, worker_args=worker_args, quorum_timeout=quorum_timeout, down_longer=down_longer
+    )
+
+
+def run_lighthouse_restart(
+    launch: Any,
+    lighthouse: LighthouseProcess,
+    *,
+    nproc: int,
+    worker_args: list[str],
+    quorum_timeout: float,
+    down_longer: bool = False,
+) -> None:
     max_steps = 30
-    quorum_timeout = 120.0
     bound = REJOIN_GRACE_S + 2 * PROBE_INTERVAL_S + JOIN_TIMEOUT_S + 10.0
-    assert bound < quorum_timeout / 2
+    assert down_longer or bound < quorum_timeout / 2, "the bound must tell a rescue from a request that timed out"
     lighthouse.spawn()  # both start up meanwhile; a Manager retries connecting for connect_timeout (30 s)
     job = launch(
         groups=2,
-        worker_args=[f"--max-steps={max_steps}", f"--quorum-timeout={quorum_timeout:g}", *GATES],
+        nproc_per_group=nproc,
+        worker_args=[f"--max-steps={max_steps}", f"--quorum-timeout={quorum_timeout:g}", *worker_args, *GATES],
         launcher_args=["--lighthouse", lighthouse.url],
     )
     lighthouse.wait_listening()
-    start_together(job, groups=2, nproc=1)
+    start_together(job, groups=2, nproc=nproc)
     job.wait_for(
         "both groups to commit 3 steps together", lambda: all(len(committed_together(job, g)) >= 3 for g in (0, 1))
     )
@@ -318,40 +351,45 @@ def test_training_stalls_while_the_lighthouse_is_down_and_resumes_when_it_is_bac
     killed_at = lighthouse.kill()
     for pause in pauses:
         pause.unlink()
+    ranks = {(g, r) for g in (0, 1) for r in range(nproc)}
     stalls = job.wait_for(
-        "both groups to report the stall",
-        lambda: (found := job.events("lighthouse_unreachable")) and {e["group"] for e in found} == {0, 1} and found,
-    )
-    stalled_at = {e["group"]: e["step"] for e in stalls}
-    assert stalled_at[0] == stalled_at[1], f"the groups stalled at different committed steps: {stalled_at}"
+        "every rank to report the stall",
+        lambda: (found := job.events("lighthouse_unreachable")) and {(e["group"], e["rank"]) for e in found} == ranks
+        and found,
+    )  # fmt: skip
+    stalled_steps = {e["step"] for e in stalls}
+    assert len(stalled_steps) == 1, f"the ranks stalled at different committed steps: {stalls}"
+    (stalled_at,) = stalled_steps
     assert all(e["lighthouse"] == lighthouse.url for e in stalls), stalls
     assert not [e for e in job.events("step", committed=True) if e["time"] > max(s["time"] for s in stalls)], (
         "a step committed while the lighthouse was down"
     )
+    if down_longer:  # the scenario: an outage that outlasts every request pending at the kill
+        time.sleep(max(0.0, killed_at + quorum_timeout + 2.0 - time.time()))
 
     lighthouse.spawn()
     restarted_at = lighthouse.wait_listening()
     assert job.wait_exit() == 0, job.tail()
 
     states = job.final_states()
-    assert sorted(states) == [(0, 0), (1, 0)]
+    assert sorted(states) == sorted(ranks), sorted(states)
     for key, state in states.items():
         assert state["global_step"] == max_steps, f"{key}: global_step {state['global_step']} != {max_steps}"
         assert state["manager_step"] == max_steps, f"{key}: manager step {state['manager_step']} != {max_steps}"
-    assert_bit_identical(states, replicas=2)
-    for group in (0, 1):
-        restarts = [e for e in job.events("started", group=group) if e["time"] > killed_at]
-        assert not restarts, f"group {group} restarted instead of riding the outage out"
-        assert [e["step"] for e in job.events("lighthouse_back", group=group)] == [stalled_at[group]]
-        resumed = committed_together(job, group, after=restarted_at)
-        assert resumed, f"group {group} committed nothing together after the lighthouse restart"
-        assert resumed[0]["step"] == stalled_at[group] + 1, (resumed[0], stalled_at)
-        assert not [e for e in job.events("healed", group=group) if e["time"] > killed_at], "a group had to heal"
+    assert_bit_identical(states, replicas=len(ranks))
+    for group, rank in sorted(ranks):
+        restarts = [e for e in job.events("started", group=group, rank=rank) if e["time"] > killed_at]
+        assert not restarts, f"group {group} rank {rank} restarted instead of riding the outage out"
+        assert [e["step"] for e in job.events("lighthouse_back", group=group, rank=rank)] == [stalled_at]
+        assert job.events("lighthouse_reachable", group=group, rank=rank), f"{group}/{rank}: no lighthouse return"
+        resumed = [e for e in committed_together(job, group, after=restarted_at) if e["rank"] == rank]
+        assert resumed, f"group {group} rank {rank} committed nothing together after the lighthouse restart"
+        assert resumed[0]["step"] == stalled_at + 1, (resumed[0], stalled_at)
         resumed_after = resumed[0]["time"] - restarted_at
         assert resumed_after < bound, f"group {group} resumed {resumed_after:.1f}s after the lighthouse was back"
-        assert job.events("lighthouse_reachable", group=group), f"group {group} logged no lighthouse return"
+    assert not [e for e in job.events("healed") if e["time"] > killed_at], "a group had to heal"
     assert "is unreachable; training is stalled" in job.log_path.read_text(errors="replace")
-    report_figures(job, killed_at, restarted_at, stalled_at)
+    report_figures(job, killed_at, restarted_at, {g: stalled_at for g in (0, 1)})
 
 
 def report_figures(job: LaunchedJob, killed_at: float, restarted_at: float, stalled_at: dict[int, int]) -> None:
