@@ -25,6 +25,7 @@ from lightning_ft.callbacks import (
 )
 from lightning_ft.data.job_shard import JobShard, job_shard
 from lightning_ft.manager.builder import LighthouseUnreachableError
+from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.strategy import FTStrategy
@@ -38,6 +39,7 @@ sys.modules.setdefault("lightning_ft.comm", sys.modules["lightning_ft.step.gradi
 
 __all__ = [
     "DataPositionCallback",
+    "DuplicateReplicaGroupError",
     "FTConfigError",
     "FTStrategy",
     "Failure",

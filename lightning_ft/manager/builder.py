@@ -47,8 +47,15 @@ from torchft.manager import WorldSizeMode
 from torchft.process_group import ProcessGroup
 
 from lightning_ft.manager.ft_manager import FTManager
+from lightning_ft.manager.group_claim import GroupClaimCheck
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport
-from lightning_ft.manager.internals import install_client, left_behind_watch, manager_client, new_manager_client
+from lightning_ft.manager.internals import (
+    install_client,
+    left_behind_watch,
+    lifetime_replica_id,
+    manager_client,
+    new_manager_client,
+)
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
@@ -197,6 +204,7 @@ def build_manager(
         settings,
         group_world_size,
         new_client=new_manager_client(manager, settings.connect_timeout) if settings.lighthouse is not None else None,
+        replica_id=lifetime_replica_id(manager) if settings.lighthouse is not None else None,
     )
     install_client(manager, client)
     watch = left_behind_watch(manager)
@@ -230,7 +238,11 @@ def lighthouse_reached(lighthouse_addr: str | None, settings: FTSettings) -> Ite
 
 
 def composed_client(
-    client: Any, settings: FTSettings, group_world_size: int, new_client: Callable[[], Any] | None = None
+    client: Any,
+    settings: FTSettings,
+    group_world_size: int,
+    new_client: Callable[[], Any] | None = None,
+    replica_id: str | None = None,
 ) -> tuple[Any, OutageTolerantClient | None]:
     """The Manager's RPC client, wrapped once for everything lightning-ft changes about its requests.
 
@@ -240,6 +252,8 @@ def composed_client(
       section's, a semi-synchronous sync's), so the client is the one place that sees every one of them. An
       embedded lighthouse lives and dies with this process: nothing to ride out. ``new_client`` makes a second
       connection to the same ManagerServer, with which the wrapper releases a request an outage left hanging.
+    * With an external lighthouse, each quorum answer is checked for another live process group claiming this
+      group's id (:class:`~lightning_ft.manager.group_claim.GroupClaimCheck`, given this lifetime's ``replica_id``).
     * A one-process group takes its commit vote in process (:class:`~lightning_ft.manager.local_vote.LocalCommitVote`).
     * Outermost, this process's own vote inputs are read after torchft's device sync
       (:class:`~lightning_ft.manager.vote_inputs.VoteInputs`).
@@ -255,6 +269,8 @@ def composed_client(
             None if outage_timeout is None else outage_timeout.total_seconds(),
             new_client=new_client,
         )
+        if replica_id is not None:
+            client = GroupClaimCheck(client, settings.lighthouse, replica_id)
     if group_world_size == 1:
         client = LocalCommitVote(client)
     return VoteInputs(client), outage_client

@@ -22,6 +22,8 @@ They take any Manager (or a test's stand-in with the same attributes):
   ``Manager._store``, under torchft's ``MANAGER_ADDR_KEY``), with which
   :mod:`lightning_ft.manager.lighthouse_outage` releases a quorum request that a lighthouse outage left hanging.
   Upstream hook: a ManagerServer that answers its pending quorum requests with the lighthouse's error.
+* :func:`lifetime_replica_id`: the replica id torchft registered for this process lifetime (``Manager._store``, under
+  ``REPLICA_ID_KEY``), for :mod:`lightning_ft.manager.group_claim`. Upstream hook: a public ``replica_id()``.
 
 The quorum id and the quorum observers are :class:`~lightning_ft.manager.ft_manager.FTManager` methods.
 """
@@ -34,7 +36,7 @@ from typing import Any
 
 from torchft import Manager, ProcessGroupGloo
 from torchft._torchft import ManagerClient
-from torchft.manager import MANAGER_ADDR_KEY
+from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from torchft.process_group import ProcessGroup
 
 from lightning_ft.manager.left_behind import LeftBehindWatch
@@ -49,6 +51,12 @@ def new_manager_client(manager: Manager, connect_timeout: timedelta) -> Callable
         return ManagerClient(address, connect_timeout=connect_timeout)
 
     return connect
+
+
+def lifetime_replica_id(manager: Manager) -> str:
+    """This process lifetime's replica id as the lighthouse knows it (the group's id, ``:``, a fresh uuid), which
+    torchft's group rank 0 publishes in the group's store."""
+    return manager._store.get(REPLICA_ID_KEY).decode("utf-8")
 
 
 def cross_group_process_group(manager: Manager) -> ProcessGroup:

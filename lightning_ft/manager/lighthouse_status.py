@@ -23,8 +23,11 @@ STATUS_TIMEOUT_S = 2.0
 
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 _PREVIOUS = re.compile(r"<h3>Previous Quorum</h3>(.*?)<h2>Heartbeats</h2>", re.S)
-_MEMBER = re.compile(r'<div class="member[^"]*">\s*<b>([^<]+)</b>.*?Step:\s*(\d+)', re.S)
-_HEARTBEAT = re.compile(r'<li class="heartbeat([^"]*)">\s*([^\s<]+): seen', re.S)
+_PREVIOUS_ID = re.compile(r"Previous quorum id:\s*(\d+)")
+_MEMBER = re.compile(
+    r'<div class="member[^"]*">\s*<b>([^<]+)</b>.*?Step:\s*(\d+)(?:\s*<br/?>\s*Manager:\s*([^\s<]+))?', re.S
+)
+_HEARTBEAT = re.compile(r'<li class="heartbeat([^"]*)">\s*([^\s<]+): seen(?:\s*([0-9.eE+-]+)s ago)?', re.S)
 
 
 class StatusPageUnreadable(RuntimeError):
@@ -39,6 +42,9 @@ class LighthouseStatus:
     quorum_id: int
     previous_quorum: dict[str, int] = field(default_factory=dict)
     heartbeats: dict[str, bool] = field(default_factory=dict)
+    previous_quorum_id: int | None = None
+    member_addresses: dict[str, str] = field(default_factory=dict)  # the last quorum's members' Manager addresses
+    heartbeat_ages: dict[str, float] = field(default_factory=dict)  # seconds since each replica's last heartbeat
 
     def fresh_groups(self, prefix: str) -> set[int]:
         """The groups of this job (replica ids starting with ``prefix``) with a fresh heartbeat."""
@@ -71,9 +77,19 @@ def parse_status_page(page: str) -> LighthouseStatus:
     if match is None:
         raise StatusPageUnreadable("the status page has no 'Current quorum_id: N' line")
     previous = _PREVIOUS.search(page)
-    members = {name.strip(): int(step) for name, step in _MEMBER.findall(previous.group(1))} if previous else {}
-    heartbeats = {replica: "old" not in classes for classes, replica in _HEARTBEAT.findall(page)}
-    return LighthouseStatus(quorum_id=int(match.group(1)), previous_quorum=members, heartbeats=heartbeats)
+    found = _MEMBER.findall(previous.group(1)) if previous else []
+    members = {name.strip(): int(step) for name, step, _ in found}
+    addresses = {name.strip(): address for name, _, address in found if address}
+    beats = _HEARTBEAT.findall(page)
+    previous_id = _PREVIOUS_ID.search(page)
+    return LighthouseStatus(
+        quorum_id=int(match.group(1)),
+        previous_quorum=members,
+        heartbeats={replica: "old" not in classes for classes, replica, _ in beats},
+        previous_quorum_id=int(previous_id.group(1)) if previous_id else None,
+        member_addresses=addresses,
+        heartbeat_ages={replica: float(age) for _, replica, age in beats if age},
+    )
 
 
 def read_status_page(lighthouse: str, timeout: float = STATUS_TIMEOUT_S) -> str:
