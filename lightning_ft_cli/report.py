@@ -24,6 +24,7 @@ MARKS = {
     "uncommitted": ("o", "none", "uncommitted step"),
     "skipped": ("s", "none", "skipped step (non-finite gradient)"),
     "died": ("X", "group", "process died"),
+    "stalled": ("D", "none", "resumed after a lighthouse outage"),
 }
 
 
@@ -68,10 +69,12 @@ def summary(timeline: Timeline) -> str:
         committed = [p for p in data.points if p.committed]
         heals = ", ".join(f"step {h.step}" + (f" ({h.detail})" if h.detail else "") for h in data.heals) or "none"
         failures = {kind: sum(f.kind == kind for f in data.failures) for kind in ("uncommitted", "skipped", "died")}
+        stalls = [f"step {f.step} ({f.detail})" for f in data.failures if f.kind == "stalled"]
         lines.append(
             f"group {group}: {len(committed)} committed steps (up to {max((p.step for p in committed), default=0)}), "
             f"{failures['uncommitted']} uncommitted, {failures['skipped']} skipped, {failures['died']} process "
             f"deaths, {data.processes} process(es); heals: {heals}"
+            + (f"; stalls: {', '.join(stalls)}" if stalls else "")
         )
     return "\n".join(lines)
 

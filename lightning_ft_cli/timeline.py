@@ -33,7 +33,8 @@ class Point:
 
 @dataclass(frozen=True)
 class Mark:
-    """A heal or a failure. ``kind``: ``heal``, ``uncommitted``, ``skipped`` or ``died``."""
+    """A heal or a failure. ``kind``: ``heal``, ``uncommitted``, ``skipped``, ``died`` or ``stalled`` (training resumed
+    after a lighthouse outage; ``detail`` says how long it stalled)."""
 
     time: float
     step: int
@@ -208,6 +209,10 @@ def _group_timeline(group: int, records: list[dict[str, Any]]) -> GroupTimeline:
                 timeline.failures.append(Mark(time, step, "uncommitted", record.get("error", "")))
         elif event == "step_rejected":
             timeline.failures.append(Mark(time, int(record["step"]), "skipped", record.get("reason", "")))
+        elif event == "lighthouse_back":
+            stalled = record.get("stalled_s")
+            detail = f"lighthouse outage, {stalled:.1f} s" if isinstance(stalled, (int, float)) else "lighthouse outage"
+            timeline.failures.append(Mark(time, int(record.get("step") or 0), "stalled", detail))
         elif event == "healed":
             seconds = record.get("seconds")
             detail = f"{seconds:.2f} s" if isinstance(seconds, (int, float)) else ""

@@ -33,6 +33,8 @@ from lightning_ft.manager.lighthouse_outage import (
     PendingRequest,
     lighthouse_reachable,
 )
+from lightning_ft_cli import report
+from lightning_ft_cli.timeline import load_timeline
 
 LIGHTHOUSE_URL = "http://127.0.0.1:29510"
 JOIN_TIMEOUT_S = 10.0  # the standalone lighthouse's join timeout below
@@ -389,6 +391,8 @@ def run_lighthouse_restart(
         assert resumed_after < bound, f"group {group} resumed {resumed_after:.1f}s after the lighthouse was back"
     assert not [e for e in job.events("healed") if e["time"] > killed_at], "a group had to heal"
     assert "is unreachable; training is stalled" in job.log_path.read_text(errors="replace")
+    drawn = report.summary(load_timeline(job.events_dir))  # `lightning-ft report` shows the stall
+    assert drawn.count(f"stalls: step {stalled_at} (lighthouse outage, ") == 2, drawn
     report_figures(job, killed_at, restarted_at, {g: stalled_at for g in (0, 1)})
 
 
