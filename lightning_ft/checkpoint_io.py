@@ -17,9 +17,11 @@ objects is refused instead of running their pickled code.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,33 @@ def unreadable_checkpoint(path: _PATH, error: Exception) -> UnreadableCheckpoint
     )
 
 
+def weights_only_keyword(load: Callable[..., Any], weights_only: bool) -> dict[str, bool]:
+    """``{"weights_only": ...}`` for a Lightning loader that takes the argument (Lightning >= 2.6), else nothing:
+    Lightning 2.5's ``load_checkpoint`` has none, and its ``torch.load`` then uses torch's default (``True`` since
+    torch 2.6)."""
+    return {"weights_only": weights_only} if "weights_only" in inspect.signature(load).parameters else {}
+
+
+def archive_damaged(path: _PATH) -> bool | None:
+    """Whether the bytes at ``path`` are not an intact ``torch.save`` archive (a zip file whose members all pass
+    their CRC check): True when they are not, False when they are, None when this cannot be told here (a remote
+    path, or torch's legacy non-zip format, which has no checksums)."""
+    if not _is_local_file_protocol(path):
+        return None
+    try:
+        with open(path, "rb") as file:
+            head = file.read(2)
+    except OSError:
+        return None
+    if head.startswith(b"\x80"):  # a bare pickle: the legacy format
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is not None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return True
+
+
 def load_checked(path: _PATH, load: Callable[[], Any]) -> dict[str, Any]:
     """Run ``load()`` (a ``torch.load`` of ``path``) and turn a failure to read the file into an
     :class:`UnreadableCheckpointError`. A missing file or a denied access passes unchanged: those messages name the
@@ -104,9 +133,13 @@ def load_checked(path: _PATH, load: Callable[[], Any]) -> dict[str, Any]:
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     # The zip reader, the unpickler, or torch's rebuild of a cut-off tensor; a seek past the end of a truncated
-    # file is an OSError (EINVAL) too.
+    # file is an OSError (EINVAL) too. Only an error whose cause was checked is explained: a refused object, or bytes
+    # that are not an intact archive. Anything else (a loader called with an argument it does not take, a full
+    # disk while mapping) passes with its own message.
     except Exception as error:
-        raise unreadable_checkpoint(path, error) from error
+        if refused_global(error) is not None or archive_damaged(path):
+            raise unreadable_checkpoint(path, error) from error
+        raise
     if not isinstance(checkpoint, dict):
         raise UnreadableCheckpointError(
             f"lightning-ft: {path} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__}, not a dict. "

@@ -23,7 +23,12 @@ from support import trainer as make_trainer
 from torchft.manager import ExceptionWithTraceback
 
 from lightning_ft import FTStrategy
-from lightning_ft.checkpoint_io import UnreadableCheckpointError
+from lightning_ft.checkpoint_io import (
+    UnreadableCheckpointError,
+    archive_damaged,
+    load_checked,
+    weights_only_keyword,
+)
 from lightning_ft.data.sidecars import sidecar_path, use_own_position
 from lightning_ft.manager import FTManager
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
@@ -222,3 +227,27 @@ def test_a_torch_file_that_is_not_a_checkpoint_is_named(tmp_path):
     torch.save([torch.zeros(2)], path)
     with pytest.raises(UnreadableCheckpointError, match=rf"{path} is not a Lightning checkpoint: it holds a list"):
         fit(tmp_path, 4, ckpt_path=path, enable_checkpointing=False)
+
+
+def test_an_error_that_is_not_in_the_bytes_is_not_called_corruption(written):
+    """An intact checkpoint whose loader fails for another reason (Lightning 2.5's loader called with an argument it
+    does not take) gets that error, with its own message: the file is not called corrupt."""
+
+    def old_loader(path, map_location=None):  # Lightning 2.5's signature: no weights_only
+        raise AssertionError("not called")
+
+    def failing() -> dict:
+        return old_loader(written.last, weights_only=True)  # type: ignore[call-arg]
+
+    with pytest.raises(TypeError, match="weights_only"):
+        load_checked(written.last, failing)
+    assert archive_damaged(written.last) is False
+
+
+def test_weights_only_is_passed_only_to_a_loader_that_takes_it():
+    def current(path, weights_only=None): ...
+
+    def lightning_2_5(path): ...
+
+    assert weights_only_keyword(current, True) == {"weights_only": True}
+    assert weights_only_keyword(lightning_2_5, True) == {}
