@@ -98,3 +98,47 @@ def test_logged_values_and_torchmetrics_are_job_wide_and_match_a_single_process_
         [(_, values)] = records[(0, 0)]
         for name, expected in reference.items():
             assert values[f"{stage}_{name}"] == pytest.approx(expected, rel=1e-5), f"{stage}_{name}"
+
+
+def test_validate_and_test_with_a_dead_group_cover_the_live_groups_data_and_say_so(launch):
+    """2 groups × 1 process; group 1 is SIGKILLed mid-fit and not restarted (``--max-restarts=0``). Group 0 trains on
+    alone, then runs ``trainer.validate()`` and ``trainer.test()``: each says that 1 of the 2 groups takes part (a
+    ``section_partial`` event and the warning), and its metrics are those of a single process over group 0's shard
+    of the validation data (even indices: the sampler is the job's), not a hang and not a wrong denominator."""
+    import os
+    import signal
+
+    from test_fault_tolerance import GATES, start_together
+
+    max_steps = 30
+    job = launch(groups=2, max_restarts=0, worker_args=[f"--max-steps={max_steps}", "--evaluate-after", *GATES])
+    start_together(job, groups=2, nproc=1)
+    job.wait_for(
+        "both groups to commit 3 steps together",
+        lambda: len([e for e in job.events("step", group=0, committed=True) if e["participants"] == 2]) >= 3,
+    )
+    os.kill(job.worker_pid(1, 0), signal.SIGKILL)
+    assert job.wait_exit() != 0, "group 1 died for good: the launch reports it"
+    states = job.final_states()
+    assert sorted(states) == [(0, 0)] and states[(0, 0)]["global_step"] == max_steps, job.tail()
+    partial = job.events("section_partial", group=0)
+    # one per section: validate() and test() (each builds its own Manager, so `step` is that Manager's, 0)
+    assert [(e["participants"], e["replica_groups"]) for e in partial] == [(1, 2)] * 2, partial
+    assert "1 of 2 replica groups take part in this evaluation" in job.log_path.read_text(errors="replace")
+
+    model = Regressor()
+    model.load_state_dict(states[(0, 0)]["model"])
+    x, y = validation_dataset().tensors
+    x, y = x[0::2], y[0::2]  # group 0's shard: DistributedSampler(num_replicas=2, rank=0, shuffle=False)
+    with torch.no_grad():
+        prediction = model.net(x)
+    batch_losses = [torch.nn.functional.mse_loss(prediction[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
+    expected = {
+        "loss": torch.stack(batch_losses).mean().item(),
+        "mse": MeanSquaredError()(prediction, y).item(),
+        "spearman": SpearmanCorrCoef()(prediction.squeeze(-1), y.squeeze(-1)).item(),
+    }
+    for stage, fn in (("val", "validate"), ("test", "test")):
+        [values] = [e["values"] for e in job.events("metrics", stage=stage, fn=fn, group=0)]
+        for name, value in expected.items():
+            assert values[f"{stage}_{name}"] == pytest.approx(value, rel=1e-5), f"{stage}_{name}"

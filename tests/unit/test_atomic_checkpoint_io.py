@@ -22,7 +22,7 @@ import fsspec
 import pytest
 import torch
 
-from lightning_ft.checkpoint_io import AtomicCheckpointIO, UnreadableCheckpointError, load_checked
+from lightning_ft.checkpoint_io import AtomicCheckpointIO, UnreadableCheckpointError, load_checked, weights_only_keyword
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +34,8 @@ def checkpoint(value: float) -> dict[str, Any]:
 
 
 def load(path: Path) -> dict[str, Any]:
-    return AtomicCheckpointIO().load_checkpoint(path, weights_only=True)
+    io = AtomicCheckpointIO()
+    return io.load_checkpoint(path, **weights_only_keyword(io.load_checkpoint, True))  # Lightning 2.5 has no argument
 
 
 def partials(directory: Path) -> list[Path]:
