@@ -17,7 +17,6 @@ objects is refused instead of running their pickled code.
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 import tempfile
@@ -95,13 +94,6 @@ def unreadable_checkpoint(path: _PATH, error: Exception) -> UnreadableCheckpoint
         f"lightning-ft: checkpoint {path} is corrupt or truncated and cannot be loaded ({_cause(error)}). "
         f"Resume from an older checkpoint (ckpt_path=...) or restore this file from a copy."
     )
-
-
-def weights_only_keyword(load: Callable[..., Any], weights_only: bool) -> dict[str, bool]:
-    """``{"weights_only": ...}`` for a Lightning loader that takes the argument (Lightning >= 2.6), else nothing:
-    Lightning 2.5's ``load_checkpoint`` has none, and its ``torch.load`` then uses torch's default (``True`` since
-    torch 2.6)."""
-    return {"weights_only": weights_only} if "weights_only" in inspect.signature(load).parameters else {}
 
 
 def archive_damaged(path: _PATH) -> bool | None:

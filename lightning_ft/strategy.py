@@ -35,7 +35,7 @@ from lightning_ft import loop_patches
 from lightning_ft.algorithms import OuterOptimizerFactory
 from lightning_ft.algorithms.config import warn_unsynced_tail
 from lightning_ft.callbacks import add_default_callbacks
-from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked, weights_only_keyword
+from lightning_ft.checkpoint_io import AtomicCheckpointIO, load_checked
 from lightning_ft.configuration import resolve_configuration
 from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
 from lightning_ft.data.job_shard import JobShard, fit_sampler_to_job, forget_job_shard, publish_job_shard
@@ -503,8 +503,7 @@ class FTStrategy(ShardedGroupHooks):
         """Load the shared checkpoint (``weights_only=True`` unless asked otherwise: the files hold plain data),
         then give it this rank's own data position from its sidecar."""
         weights_only = True if weights_only is None else weights_only
-        load_shared = super().load_checkpoint
-        load = functools.partial(load_shared, checkpoint_path, **weights_only_keyword(load_shared, weights_only))
+        load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         checkpoint = load_checked(checkpoint_path, load)
         use_own_position(checkpoint, checkpoint_path, self.replica_group_id, self.global_rank, weights_only)
         return checkpoint

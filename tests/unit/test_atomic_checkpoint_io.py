@@ -22,7 +22,7 @@ import fsspec
 import pytest
 import torch
 
-from lightning_ft.checkpoint_io import AtomicCheckpointIO, UnreadableCheckpointError, load_checked, weights_only_keyword
+from lightning_ft.checkpoint_io import AtomicCheckpointIO, UnreadableCheckpointError, load_checked
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,8 +34,7 @@ def checkpoint(value: float) -> dict[str, Any]:
 
 
 def load(path: Path) -> dict[str, Any]:
-    io = AtomicCheckpointIO()
-    return io.load_checkpoint(path, **weights_only_keyword(io.load_checkpoint, True))  # Lightning 2.5 has no argument
+    return AtomicCheckpointIO().load_checkpoint(path, weights_only=True)
 
 
 def partials(directory: Path) -> list[Path]:

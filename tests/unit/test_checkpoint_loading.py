@@ -27,7 +27,6 @@ from lightning_ft.checkpoint_io import (
     UnreadableCheckpointError,
     archive_damaged,
     load_checked,
-    weights_only_keyword,
 )
 from lightning_ft.data.sidecars import sidecar_path, use_own_position
 from lightning_ft.manager import FTManager
@@ -230,8 +229,8 @@ def test_a_torch_file_that_is_not_a_checkpoint_is_named(tmp_path):
 
 
 def test_an_error_that_is_not_in_the_bytes_is_not_called_corruption(written):
-    """An intact checkpoint whose loader fails for another reason (Lightning 2.5's loader called with an argument it
-    does not take) gets that error, with its own message: the file is not called corrupt."""
+    """An intact checkpoint whose loader fails for another reason (Lightning 2.5's loader, which takes no
+    ``weights_only``) gets that error, with its own message: the file is not called corrupt."""
 
     def old_loader(path, map_location=None):  # Lightning 2.5's signature: no weights_only
         raise AssertionError("not called")
@@ -242,12 +241,3 @@ def test_an_error_that_is_not_in_the_bytes_is_not_called_corruption(written):
     with pytest.raises(TypeError, match="weights_only"):
         load_checked(written.last, failing)
     assert archive_damaged(written.last) is False
-
-
-def test_weights_only_is_passed_only_to_a_loader_that_takes_it():
-    def current(path, weights_only=None): ...
-
-    def lightning_2_5(path): ...
-
-    assert weights_only_keyword(current, True) == {"weights_only": True}
-    assert weights_only_keyword(lightning_2_5, True) == {}
