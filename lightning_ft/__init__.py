@@ -4,7 +4,6 @@ Importing this package registers ``"ft"`` in Lightning's strategy registry, so `
 """
 
 import os
-import sys
 
 # torchft's Rust side (a group's Manager server, an embedded lighthouse) logs about six INFO lines per step: 132 of the
 # 160 lines of a 20-step run of one group. Its logger reads RUST_LOG once, when torchft's extension loads, which the
@@ -24,6 +23,7 @@ from lightning_ft.callbacks import (
     StateTransferCallback,
 )
 from lightning_ft.data.job_shard import JobShard, job_shard
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
@@ -34,8 +34,6 @@ __version__ = "0.1.0.dev0"
 
 FTStrategy.register_strategies(StrategyRegistry)
 
-# Import paths that the docs of earlier releases showed, kept working after their modules moved.
-sys.modules.setdefault("lightning_ft.comm", sys.modules["lightning_ft.step.gradient_hooks"])
 
 __all__ = [
     "DataPositionCallback",
@@ -48,6 +46,7 @@ __all__ = [
     "JobShard",
     "LighthouseUnavailableError",
     "LighthouseUnreachableError",
+    "LightningFTError",
     "ManagerCheckpointCallback",
     "QuorumCallback",
     "ReplicaConsistencyCheck",

@@ -31,6 +31,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_ft.errors import LightningFTError
+
 
 def write_atomically(obj: Any, target: Path) -> None:
     """``torch.save`` ``obj`` to the local file ``target`` whole or not at all: a temporary file in the same
@@ -48,7 +50,7 @@ def write_atomically(obj: Any, target: Path) -> None:
         raise
 
 
-class UnreadableCheckpointError(RuntimeError):
+class UnreadableCheckpointError(LightningFTError, RuntimeError):
     """A checkpoint file that cannot be loaded. The message names the file, what is wrong and what to do."""
 
 

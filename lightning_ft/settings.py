@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft_job.addresses import LOOPBACK, interface_address
 from lightning_ft_job.environment import (
     ENV_HOSTNAME,
@@ -40,7 +41,7 @@ BUFFER_SYNC_MODES: tuple[str, ...] = ("average", "off")
 DEFAULT_START_TIMEOUT_S = 300.0
 
 
-class FTConfigError(ValueError):
+class FTConfigError(LightningFTError, ValueError):
     """A lightning-ft setting has a value that cannot work. The message names the setting and the fix."""
 
 

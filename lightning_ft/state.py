@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer import call as lightning_call
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.hsdp.full_state import full_model_state, full_optimizer_state
 from lightning_ft.hsdp.shards import (
     IncompatibleShardError,
@@ -39,7 +40,7 @@ from lightning_ft.hsdp.shards import (
 STATE_KEY = "lightning"
 
 
-class IncompatibleReplicaError(RuntimeError):
+class IncompatibleReplicaError(LightningFTError, RuntimeError):
     """A peer's training state does not fit this replica (other model, other optimizers). Never loaded silently."""
 
 

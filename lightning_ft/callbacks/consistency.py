@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
+from lightning_ft.errors import LightningFTError
 from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft.step.buffers import synced_buffers
 from lightning_ft_job import events
@@ -34,7 +35,7 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 OnDivergence = Literal["heal", "stop"]
 
 
-class ReplicaDivergedError(RuntimeError):
+class ReplicaDivergedError(LightningFTError, RuntimeError):
     """Replicas that should be bit-identical are not."""
 
 

@@ -21,10 +21,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_ft.errors import LightningFTError
+
 SHARD_KEY = "__lightning_ft_local_shard__"
 
 
-class IncompatibleShardError(RuntimeError):
+class IncompatibleShardError(LightningFTError, RuntimeError):
     """A peer's shard does not fit this rank's (another group size, another sharding, another model)."""
 
 

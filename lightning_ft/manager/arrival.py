@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from torch.distributed import Store
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft_job import events
 
 ARRIVED_PREFIX = "lightning_ft/arrived/"
@@ -40,7 +41,7 @@ GRACE_S = 1.0
 POLL_S = 0.01
 
 
-class QuorumMemberMissingError(RuntimeError):
+class QuorumMemberMissingError(LightningFTError, RuntimeError):
     """A member of the new quorum never arrived at its process group's rendezvous."""
 
 

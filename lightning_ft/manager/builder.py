@@ -46,6 +46,7 @@ from torchft.checkpointing.pg_transport import PGTransport
 from torchft.manager import WorldSizeMode
 from torchft.process_group import ProcessGroup
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.ft_manager import FTManager
 from lightning_ft.manager.group_claim import GroupClaimCheck
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport
@@ -215,7 +216,7 @@ def build_manager(
     )
 
 
-class LighthouseUnreachableError(ConnectionError):
+class LighthouseUnreachableError(LightningFTError, ConnectionError):
     """The group's ManagerServer could not connect to the lighthouse it was given within ``connect_timeout``."""
 
 

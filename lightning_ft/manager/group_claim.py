@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft_job import events
 
@@ -40,7 +41,7 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 LIVENESS_WAIT_S = 3.0
 
 
-class DuplicateReplicaGroupError(RuntimeError):
+class DuplicateReplicaGroupError(LightningFTError, RuntimeError):
     """Another live process group holds this group's id; this one stops before it trains."""
 
 

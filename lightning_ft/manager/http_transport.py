@@ -38,10 +38,11 @@ from torchft.checkpointing import HTTPTransport
 from typing_extensions import override
 
 from lightning_ft.checkpoint_io import refused_global
+from lightning_ft.errors import LightningFTError
 from lightning_ft_job.addresses import LOOPBACK, family_of, is_loopback, numeric_host, url_host
 
 
-class RefusedPeerStateError(RuntimeError):
+class RefusedPeerStateError(LightningFTError, RuntimeError):
     """A live peer's state holds an object that ``weights_only=True`` refuses. Retrying cannot help."""
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.moved_on import MovedOn, MovedOnUnknown
 from lightning_ft_job import events
 
@@ -67,7 +68,7 @@ CHECK_AFTER_S = 0.5
 INTERVAL_S = 0.25
 
 
-class CollectiveLeftBehindError(RuntimeError):
+class CollectiveLeftBehindError(LightningFTError, RuntimeError):
     """Another member of the quorum left it while this group's cross-group collective was still pending."""
 
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -88,7 +89,7 @@ class PendingRequest:
         return self.request.get("step")
 
 
-class LighthouseUnavailableError(RuntimeError):
+class LighthouseUnavailableError(LightningFTError, RuntimeError):
     """No quorum formed within ``lighthouse_outage_timeout`` of the lighthouse becoming unreachable."""
 
 

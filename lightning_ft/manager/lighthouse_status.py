@@ -19,6 +19,8 @@ import re
 import urllib.request
 from dataclasses import dataclass, field
 
+from lightning_ft.errors import LightningFTError
+
 STATUS_TIMEOUT_S = 2.0
 
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
@@ -30,7 +32,7 @@ _MEMBER = re.compile(
 _HEARTBEAT = re.compile(r'<li class="heartbeat([^"]*)">\s*([^\s<]+): seen(?:\s*([0-9.eE+-]+)s ago)?', re.S)
 
 
-class StatusPageUnreadable(RuntimeError):
+class StatusPageUnreadable(LightningFTError, RuntimeError):
     """The lighthouse's status page could not be fetched, or it is not in the form expected."""
 
 

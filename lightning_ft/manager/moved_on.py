@@ -40,6 +40,8 @@ from datetime import timedelta
 from torch.distributed import Store
 from torchft.process_group import create_store_client
 
+from lightning_ft.errors import LightningFTError
+
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 # Inside the process group's own prefix (``torchft/<quorum id>/<group rank>``): one marker per quorum and group rank.
@@ -49,7 +51,7 @@ ABANDONED = "abandoned"
 STORE_TIMEOUT = timedelta(seconds=5)
 
 
-class MovedOnUnknown(RuntimeError):
+class MovedOnUnknown(LightningFTError, RuntimeError):
     """The quorum's store could not be read, for another reason than being gone."""
 
 

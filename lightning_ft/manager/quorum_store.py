@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.arrival import wait_for_every_member
 from lightning_ft.manager.left_behind import LeftBehindWatch
 from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal
@@ -46,7 +47,7 @@ from lightning_ft_job import events
 PROBE_TIMEOUT_S = 5.0
 
 
-class QuorumStoreGoneError(ConnectionRefusedError):
+class QuorumStoreGoneError(LightningFTError, ConnectionRefusedError):
     """The store of the quorum's primary member refuses connections: that member's group is gone."""
 
 

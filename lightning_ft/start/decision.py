@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft.start.record import FinishedJob, JobRecord
 from lightning_ft_job import events
@@ -53,11 +54,11 @@ class JobAlreadyFinished(SystemExit):
         self.finished = finished
 
 
-class NoLivePeerError(RuntimeError):
+class NoLivePeerError(LightningFTError, RuntimeError):
     """A restarted group found no live peer and the job keeps no checkpoint to resume from."""
 
 
-class JobBehindCheckpointError(RuntimeError):
+class JobBehindCheckpointError(LightningFTError, RuntimeError):
     """The groups of this group's first quorum are behind a step the job had already reached (its newest checkpoint,
     or its last quorum's step when it keeps no checkpoint)."""
 

@@ -50,6 +50,7 @@ from torch.distributed import ReduceOp
 from torchft import Manager
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 
@@ -57,7 +58,7 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 T = TypeVar("T")
 
 
-class CrossGroupCollectiveError(RuntimeError):
+class CrossGroupCollectiveError(LightningFTError, RuntimeError):
     """A cross-group collective failed: a peer died or timed out. Reported to the Manager as well."""
 
 

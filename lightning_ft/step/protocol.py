@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchft import Manager
 
+from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.manager.vote_inputs import host_copy, should_commit_reading
@@ -39,7 +40,7 @@ from lightning_ft_job import events
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
-class QuorumNotStartedError(RuntimeError):
+class QuorumNotStartedError(LightningFTError, RuntimeError):
     """Gradients were about to cross groups without a quorum for this step."""
 
 
@@ -270,7 +271,7 @@ class StepProtocol:
         self.release()
 
 
-class NonFiniteGradientError(RuntimeError):
+class NonFiniteGradientError(LightningFTError, RuntimeError):
     """The averaged gradient of a step has an inf or NaN: the step is skipped by every replica."""
 
     def __init__(self, step: int) -> None:
