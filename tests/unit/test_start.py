@@ -34,21 +34,29 @@ def replica(group: int, lifetime: str = "a") -> str:
 
 # ---------------------------------------------------------------- the status page, from a real lighthouse
 def test_the_status_page_of_a_real_lighthouse_names_the_quorum_its_steps_and_fresh_heartbeats():
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=300)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
     try:
         client = LighthouseClient(lighthouse.address(), timedelta(seconds=5))
         client.heartbeat(replica(0, "old-life"))
         client.quorum(
             replica(0, "old-life"), timedelta(seconds=5), address="a", store_address="b", step=7, world_size=1
         )
-        time.sleep(0.5)  # the first lifetime's heartbeat goes stale (300 ms)
-        client.heartbeat(replica(1))
-        client.heartbeat("another_job_00002:x")
-        status = read_lighthouse_status(lighthouse.address())
+        deadline = time.monotonic() + 30
+        while read_lighthouse_status(lighthouse.address()).heartbeats[replica(0, "old-life")]:  # until it is stale
+            assert time.monotonic() < deadline, "the first lifetime's heartbeat never went stale"
+            time.sleep(0.05)
+        for _ in range(20):  # a fresh heartbeat, read back within the lighthouse's 1-s timeout (a busy machine may not)
+            client.heartbeat(replica(1))
+            client.heartbeat("another_job_00002:x")
+            status = read_lighthouse_status(lighthouse.address())
+            if status.heartbeats[replica(1)]:
+                break
     finally:
         lighthouse.shutdown()
     assert status.quorum_id == 1
-    assert status.previous_quorum == {replica(0, "old-life"): 7}
+    assert status.previous_quorum == {replica(0, "old-life"): 7} and status.previous_quorum_id == 1
+    assert status.member_addresses == {replica(0, "old-life"): "a"}  # what group_claim names as the host
+    assert status.heartbeat_ages[replica(0, "old-life")] >= 1.0 > status.heartbeat_ages[replica(1)]
     assert status.heartbeats[replica(0, "old-life")] is False
     assert status.heartbeats[replica(1)] is True
     assert status.fresh_groups(PREFIX) == {1}
