@@ -27,6 +27,13 @@ def committed_together(job: LaunchedJob, group: int, participants: int, since: f
     )
 
 
+def committed_without(job: LaunchedJob, group: int, at_most: int, since: float) -> bool:
+    """Whether ``group`` committed a step after ``since`` in a quorum of at most ``at_most`` participants."""
+    return any(
+        e["participants"] <= at_most and e["time"] > since for e in job.events("step", group=group, committed=True)
+    )
+
+
 def test_eight_groups_two_killed_at_once_the_six_train_on_and_both_heal_bit_identical(launch):
     """8 groups × 1 process. Groups 3 and 6 are SIGKILLed in the same moment, wherever they are in a step. The other
     six commit on without them (a quorum of 6 of the 8 heartbeating groups is a majority), and are held a few steps
@@ -48,9 +55,12 @@ def test_eight_groups_two_killed_at_once_the_six_train_on_and_both_heal_bit_iden
     killed_at = time.time()
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
+    # Each survivor commits on without the two (the quorum of the step in flight at the kill fails). Not always all
+    # six together: a survivor whose part of that step's collective was left behind sits out a few steps while it
+    # heals, and the others may reach the hold meanwhile; a lost participant is not what this test is about.
     job.wait_for(
         "the six survivors to commit without the two",
-        lambda: all(committed_together(job, g, len(survivors), killed_at) >= 1 for g in survivors),
+        lambda: all(committed_without(job, g, len(survivors), killed_at) for g in survivors),
         timeout=120,
     )
     restarted = {g: job.wait_for(f"group {g}'s restart", lambda g=g: job.worker_pid(g, 0, 1), 240) for g in victims}
