@@ -263,7 +263,7 @@ class OutageTolerantClient:
                     f"Restart the lighthouse at the same address (e.g. `lightning-ft lighthouse --bind <host:port>`), "
                     f"or raise FTStrategy(lighthouse_outage_timeout=...) to let the job wait longer."
                 ) from cause
-            if self._probe() and self._up_since is not None and self._clock() - self._up_since >= self._rejoin_grace:
+            if self._probe() and self._back_for(self._rejoin_grace):
                 return
             self._sleep(self._probe_interval)
 
