@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers bench-gpu fault-matrix
+.PHONY: demo test test-extra compat test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers bench-gpu fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 # same scenario), and the soak (20 random kills of 3 groups).
 test-extra: $(STAMP)
 	$(BIN)/python -m pytest -m "scale or control or soak or paths" --durations=5 tests
+
+# The compatibility matrix (docs/compatibility.md): torchft's next API (torchft-nightly) and torch 2.15, each in an
+# environment of its own built from the registry (.venv-<name>). Example: make compat ARGS="torchft-next"
+compat:
+	.ci/compat $(ARGS)
 
 # The suite N times, optionally beside busy loops; every run is appended to tests/records/suite_runs.jsonl.
 # Example: make test-repeat ARGS="--runs 3 --busy 2"

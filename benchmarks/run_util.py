@@ -119,7 +119,6 @@ def median(values: list[float]) -> float:
 
 
 def machine() -> dict[str, Any]:
-    from importlib.metadata import version
 
     import lightning
     import torch
@@ -135,7 +134,19 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torchft": version("torchft"),
+        "torchft": torchft_distribution(),
         "lightning": lightning.__version__,
         "kernel": platform.release(),
     }
+
+
+def torchft_distribution() -> str:
+    """The installed torchft's distribution and version: ``torchft`` releases, or the ``torchft-nightly`` builds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("torchft", "torchft-nightly"):
+        try:
+            return version(name) if name == "torchft" else f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"

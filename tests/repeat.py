@@ -48,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def slowest(junit: Path, count: int = 15) -> list[dict[str, Any]]:
+    """The ``count`` slowest tests of a JUnit XML report, slowest first: which tests hold ``make test``'s time."""
+    if not junit.exists():
+        return []
+    cases = ElementTree.parse(junit).getroot().iter("testcase")
+    timed = [(float(case.get("time") or 0.0), f"{case.get('classname', '')}::{case.get('name', '')}") for case in cases]
+    return [{"test": name, "seconds": round(seconds, 1)} for seconds, name in sorted(timed, reverse=True)[:count]]
+
+
 def failures(junit: Path) -> tuple[int, list[dict[str, str]]]:
     """(tests run, each failed or errored test with the start of its failure) from a JUnit XML report."""
     if not junit.exists():
@@ -99,6 +108,7 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
             stop_busy_loops(loops)
         seconds = time.monotonic() - started
         ran, failed = failures(junit)
+        slow = slowest(junit)
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": commit(),
@@ -112,6 +122,7 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
         "exit_code": code,
         "tests": ran,
         "failed": failed,
+        "slowest": slow,
         "note": args.note,
     }
 

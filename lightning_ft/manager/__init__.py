@@ -17,8 +17,10 @@ upgrade is a diff here. The modules:
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
   group's vote in process).
 * :mod:`.lighthouse_status`: the one reader of the lighthouse's HTML status page.
+* :mod:`.torchft_api`: which process-group API the installed torchft offers, and the rendezvous read from it.
 
-What torchft 0.2.0 internals are relied on, why, and which upstream hook would remove each:
+Which process-group API the installed torchft has (0.2's ``configure`` or 0.3's ``reconfigure``) is decided once, in
+:mod:`.torchft_api`. What torchft internals are relied on, why, and which upstream hook would remove each:
 
 ========================================== ============================================ ===============================
 Internal                                   Why                                          Upstream hook that removes it
@@ -41,12 +43,14 @@ Internal                                   Why                                  
                                            group's vote without an RPC                  constructor
 ``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper
                                            abort; the failure injector's stuck faults
-``ProcessGroupWrapper._wrap_work``,        watch every operation, and give up one the   a cancellable work, or Gloo
-``._quorum_id``                            other members have left (:mod:`.left_behind`) aborting a pending send
-``ProcessGroupGloo._create_pg``,           bind Gloo to the advertised address; fail    a bind address option;
-``configure``                              a reconfiguration through a dead store at    the nightly's
-                                           once (:mod:`.listeners`, :mod:`.quorum_store`) ``reconfigure(...)`` (same
-                                                                                        probe, new entry point)
+``ProcessGroupWrapper._wrap_work``         watch every operation, and give up one the   a cancellable work, or Gloo
+                                           other members have left (:mod:`.left_behind`) aborting a pending send
+``ProcessGroupGloo._create_pg``,           bind Gloo to the advertised address; fail    a bind address option; a
+``configure`` (0.2), ``reconfigure``,      a reconfiguration through a dead store at    pre-rendezvous hook
+``_handle_id``, ``_rendezvous``,           once, wait for every member (:mod:`.listeners`,
+``_rendezvous_store`` (0.3)                :mod:`.quorum_store`, :mod:`.torchft_api`);
+                                           0.3: advertise the rendezvous store at the   a host option for the
+                                           group's address                              rendezvous store
 ``torchft.manager.ManagerServer``          bind the ManagerServer to the advertised     a bind address option
 (swapped while the Manager is built)       address (:mod:`.listeners`)
 lighthouse ``/status`` HTML                which groups heartbeat, the last quorum      a JSON status endpoint, or

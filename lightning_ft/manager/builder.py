@@ -32,6 +32,7 @@ network namespaces, where torchft's defaults are unreachable).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -98,8 +99,17 @@ def build_cross_group_process_group(settings: FTSettings, device: torch.device, 
 
     Gloo binds to the advertised address when the user chose one or it is loopback, unless ``GLOO_SOCKET_IFNAME``
     says otherwise; by default it keeps its own choice (the address the machine's name resolves to). Every variant
-    fails a reconfiguration through a dead primary's store at once (:mod:`lightning_ft.manager.quorum_store`).
+    fails a reconfiguration through a dead primary's store at once (:mod:`lightning_ft.manager.quorum_store`). On
+    torchft 0.3, where each process group hosts a rendezvous store, that store follows the advertised address too.
     """
+    process_group = _cross_group_process_group(settings, device, hostname)
+    process_group.advertise_rendezvous_store(hostname, functools.partial(group_store, hostname))
+    return process_group
+
+
+def _cross_group_process_group(
+    settings: FTSettings, device: torch.device, hostname: str
+) -> StoreCheckedProcessGroupGloo | StoreCheckedProcessGroupNCCL:
     name = settings.process_group
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"

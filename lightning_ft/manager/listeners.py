@@ -93,7 +93,7 @@ class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
     not local, and peers connect to whatever it bound: from another host or namespace, loopback is the peer's own.
     torch's Python constructor only picks a device from ``GLOO_SOCKET_IFNAME`` or that default, so this builds the
     backend with a device for the chosen address instead. The rest mirrors ``torchft.ProcessGroupGloo._create_pg``
-    (torchft 0.2.0).
+    (torchft 0.2.0; 0.3 names the group after its uuid, which is the quorum id).
     """
 
     def __init__(self, hostname: str, timeout: timedelta) -> None:
@@ -111,7 +111,7 @@ class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
             backend.options.global_ranks_in_group = self._global_ranks
         if self._group_rank and self._group_world_size:
             backend.options.group_name = (
-                f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+                f"torchft_quorum_{self.entered_quorum_id}_rank_{self._group_rank % self._group_world_size}"
             )
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)

@@ -13,11 +13,12 @@ timeout (``FTStrategy(timeout=...)``, 60 s by default). The survivor sits out th
 the others, formed into the next quorum without it, train on; a short job can even finish meanwhile, and the
 survivor then comes back to train alone.
 
-A primary's store lives as long as its group's rank 0 (it is created before the group's Manager), so a refused
-connection means that group is gone. :class:`BoundedWaitsMixin` checks that with one plain TCP connect before
-torchft's ``configure`` and raises :class:`QuorumStoreGoneError` at once; torchft's quorum reports it, the step does
-not commit, and the next quorum, without the dead group, rebuilds the process group. Any other outcome of the probe
-(accepted, timed out, unreachable) leaves the connection to torchft as before.
+A primary's store lives as long as its group's rank 0 (torchft 0.2: it is created before the group's Manager) or as
+the first member's process group (torchft 0.3, which hosts the rendezvous store there), so a refused connection means
+that process is gone. :class:`BoundedWaitsMixin` checks that with one plain TCP connect before torchft's
+``configure`` or ``reconfigure`` and raises :class:`QuorumStoreGoneError` at once; torchft's quorum reports it, the
+step does not commit, and the next quorum, without the dead group, rebuilds the process group. Any other outcome of
+the probe (accepted, timed out, unreachable) leaves the connection to torchft as before.
 
 A dead member that is *not* the primary leaves the store alive, and Gloo's rendezvous would wait for the dead
 member's address until the timeout, inside native code where no thread can give it up. Every member therefore first
@@ -32,6 +33,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
 from lightning_ft.errors import LightningFTError
+from lightning_ft.manager import torchft_api
 from lightning_ft.manager.arrival import wait_for_every_member
 from lightning_ft.manager.left_behind import LeftBehindWatch
 from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal
@@ -81,23 +84,20 @@ def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> Non
         )
 
 
-if not callable(getattr(ProcessGroupGloo, "configure", None)):  # torchft after 0.2.0: ``reconfigure(...)``
-    raise ImportError(
-        "lightning-ft needs torchft 0.2.x, whose process groups reconfigure through `configure`; the installed torchft "
-        "has no `ProcessGroupGloo.configure`, so the dead-store probe would be skipped. Install torchft>=0.2,<0.3."
-    )
-
-
 class BoundedWaitsMixin:
-    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each ``configure``, the
+    """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each reconfiguration, the
     quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`: the previous quorum is marked as left, and
     :attr:`moved_on_signal` reads the new one's), and every member's arrival before the rendezvous
-    (:mod:`lightning_ft.manager.arrival`).
+    (:mod:`lightning_ft.manager.arrival`). Both of torchft's entry points lead here: ``configure`` (torchft 0.2) and
+    ``reconfigure`` (0.3; :mod:`lightning_ft.manager.torchft_api`).
 
     With ``watches_collectives`` (Gloo), every operation is handed out through :attr:`left_behind_watch`, and a
     process group holding an operation that was given up is set aside instead of aborted."""
 
     watches_collectives = False
+    entered_quorum_id: int | None = None  # the quorum this process group was last reconfigured for
+    _rendezvous_host: str | None = None
+    _make_rendezvous_store: Callable[[], Any] | None = None
 
     @cached_property  # torchft's process groups take their own constructor arguments: made on first use
     def moved_on_signal(self) -> MovedOnSignal:
@@ -106,20 +106,45 @@ class BoundedWaitsMixin:
     @cached_property
     def left_behind_watch(self) -> LeftBehindWatch:
         signal = self.moved_on_signal
-        return LeftBehindWatch(signal.moved_on, signal.abandon, quorum_id=lambda: getattr(self, "_quorum_id", None))
+        return LeftBehindWatch(signal.moved_on, signal.abandon, quorum_id=lambda: self.entered_quorum_id)
 
-    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
-        fail_if_store_gone(store_addr)
+    def advertise_rendezvous_store(self, host: str, make_store: Callable[[], Any]) -> None:
+        """torchft 0.3 only: each process group hosts the rendezvous store of the quorums it comes first in, and
+        torchft opens it on every interface and advertises ``socket.gethostname()``. Open it with ``make_store``
+        instead (where the group's other listeners bind) and advertise ``host``, the group's advertised address."""
+        self._rendezvous_host, self._make_rendezvous_store = host, make_store
+
+    def get_reconfigure_handle(self) -> str:  # torchft 0.3
+        if self._make_rendezvous_store is not None:
+            torchft_api.host_rendezvous_store(self, self._make_rendezvous_store)
+        handle: str = super().get_reconfigure_handle()  # type: ignore[misc]
+        if self._rendezvous_host is None:
+            return handle
+        return torchft_api.readdressed_handle(handle, self._rendezvous_host)
+
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:  # torchft 0.2
         quorum_id = kwargs.get("quorum_id", args[3] if len(args) > 3 else None)
         rank = kwargs.get("rank", args[1] if len(args) > 1 else None)
         world_size = kwargs.get("world_size", args[2] if len(args) > 2 else None)
+        self._enter_quorum(store_addr, rank, world_size, quorum_id)
+        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+    def reconfigure(self, options: Any) -> Any:  # torchft 0.3
+        rendezvous = torchft_api.rendezvous_of(self, options)
+        self._enter_quorum(rendezvous.store_addr, rendezvous.rank, rendezvous.world_size, rendezvous.quorum_id)
+        return super().reconfigure(options)  # type: ignore[misc]
+
+    def _enter_quorum(self, store_addr: str, rank: int | None, world_size: int | None, quorum_id: int | None) -> None:
+        """The bounded waits before torchft's own rendezvous through ``store_addr``: the dead-store probe, the
+        left-behind give-up of this group's pending operations, the moved-on marker and every member's arrival."""
+        fail_if_store_gone(store_addr)
         if self.watches_collectives:  # this group moves on itself: what is pending of the old quorum cannot complete
             self.left_behind_watch.give_up(MovedOn(quorum_id, by_this_group=True))
         self.moved_on_signal.enter(store_addr, quorum_id)
         store = self.moved_on_signal.store
         if store is not None and rank is not None and world_size is not None:
             wait_for_every_member(store, rank, world_size, quorum_id)
-        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+        self.entered_quorum_id = quorum_id
 
     def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
         work = super()._wrap_work(work, opts)  # type: ignore[misc]

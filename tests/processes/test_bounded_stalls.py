@@ -37,6 +37,7 @@ def assert_semi_sync_identical_at(job: LaunchedJob, *, max_steps: int, syncs: in
 DEADLINE_S = 60.0
 
 
+@pytest.mark.compat
 def test_a_member_dead_before_the_rendezvous_of_its_quorum_is_given_up_not_waited_for(launch):
     """3 groups × 1 process, at least 2 per quorum. Group 2 is killed and restarted; groups 0 and 1 train on and are
     held. The restarted group 2 asks for its first quorum and is SIGKILLed while its request waits at the lighthouse
@@ -101,7 +102,7 @@ def test_a_member_dead_before_the_rendezvous_of_its_quorum_is_given_up_not_waite
 # per step: a group held in one of several sequential allreduces would hold its peers in the next one, a case no
 # real loss of a send makes.
 LEFT_BEHIND_PATHS = [
-    pytest.param([], 8, 12, 40, id="ddp-hook"),
+    pytest.param([], 8, 12, 40, id="ddp-hook", marks=pytest.mark.compat),
     pytest.param(["--data-parallel=fsdp", "--async-quorum=0"], 8, 12, 40, id="fsdp2-hook"),
     pytest.param(["--algorithm=diloco", "--sync-every=4", "--async-quorum=0"], 8, 14, 11, id="diloco-sync"),
 ]

@@ -100,6 +100,7 @@ def assert_outcome(job: LaunchedJob, *, restarted: int, max_steps: int, replicas
     assert len(fingerprints) == 1, fingerprints
 
 
+@pytest.mark.compat
 def test_sigkill_one_of_two_groups(launch):
     """2 groups x 1 process, asynchronous quorum, heal over HTTP (the defaults): the survivor keeps committing, the
     restarted group heals, replicas end identical. (Synchronous quorum with a process-group heal: the validation kill

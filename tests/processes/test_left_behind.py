@@ -28,6 +28,9 @@ from lightning_ft.manager.left_behind import CollectiveLeftBehindError, LeftBehi
 from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal, MovedOnUnknown
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, store_refuses_connections
 
+# The compatibility matrix runs these on every environment (`make compat`).
+pytestmark = pytest.mark.compat
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -22,6 +22,10 @@ from lightning_ft.manager.quorum_store import (
     fail_if_store_gone,
     store_host_port,
 )
+from lightning_ft.manager.torchft_api import reconfigure_without_manager
+
+# The compatibility matrix runs these on every environment (`make compat`).
+pytestmark = pytest.mark.compat
 
 STORE_SERVER = (
     "import sys\n"
@@ -56,4 +60,4 @@ def test_a_reconfiguration_through_a_killed_primarys_store_fails_at_once():
         server.wait(timeout=30)
     process_group = StoreCheckedProcessGroupGloo(timeout=timedelta(seconds=600))
     with pytest.raises(QuorumStoreGoneError, match=f"127.0.0.1:{port} refuses connections"):
-        process_group.configure(f"127.0.0.1:{port}/torchft/2/0", "replica", 0, 2, quorum_id=2)
+        reconfigure_without_manager(process_group, f"127.0.0.1:{port}", rank=1, world_size=2, quorum_id=2)

@@ -41,7 +41,7 @@ def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: i
     [
         # In groups of 2 processes, DiLoCo only: LocalSGD's syncs are the same callback with fewer states to heal, and
         # its kill in 1-process groups is test_semi_sync_sigkill_during_a_sync's.
-        pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2"),
+        pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2", marks=pytest.mark.compat),
         # Streaming without a delay joins at a periodic sync here only with a delay (the superset: a fragment's
         # allreduce in flight across the join); without one it joins the final syncs in the test below.
         pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1"),
@@ -56,6 +56,7 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
     job = launch(
         groups=2, nproc_per_group=nproc, worker_args=semi_sync_args(max_steps, algorithm, sync_every, fragments, delay)
     )
+    stop_group_1_between_syncs(job, sync_period=sync_every // fragments, sync_delay=delay)
     start_together(job, groups=2, nproc=nproc)
     kill_between_syncs_and_restart(
         job, nproc=nproc, victim_rank=nproc - 1, sync_period=sync_every // fragments, sync_delay=delay
@@ -86,8 +87,9 @@ def test_a_group_that_restarts_during_the_final_syncs_joins_them_and_trains_no_f
     max_steps, sync_every = 48, 4
     args = semi_sync_args(max_steps, algorithm, sync_every, fragments, delay)
     job = launch(groups=2, worker_args=[*args, f"--async-quorum={async_quorum}"])
-    start_together(job, groups=2, nproc=1)
     period = sync_every // fragments
+    stop_group_1_between_syncs(job, sync_period=period, sync_delay=delay)
+    start_together(job, groups=2, nproc=1)
     kill_between_syncs_and_restart(
         job, nproc=1, victim_rank=0, sync_period=period, sync_delay=delay, hold_from=max_steps
     )
@@ -156,6 +158,14 @@ def after(job: LaunchedJob, moment: float) -> list[dict]:
     return [e for e in job.events("step", group=0) if e["time"] > moment]
 
 
+def stop_group_1_between_syncs(job: LaunchedJob, *, sync_period: int, sync_delay: int = 0) -> None:
+    """Before the groups start: group 1 will stop at the first batch end between two syncs (see
+    :func:`kill_between_syncs_and_restart`) from its third sync period on. Set before the start, not once the test has
+    seen three syncs: on a busy machine the groups can run many sync periods between the two (seen: group 1 stopped
+    at step 28 of 32, which put group 0's hold past its last step, so group 0 finished unheld)."""
+    job.hold_from_step(1, 3 * sync_period, cycle=(sync_period, (-sync_delay) % sync_period))
+
+
 def kill_between_syncs_and_restart(
     job: LaunchedJob,
     *,
@@ -165,10 +175,10 @@ def kill_between_syncs_and_restart(
     sync_delay: int = 0,
     hold_from: int | None = None,
 ) -> None:
-    """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half) and one of its ranks
-    is SIGKILLed; group 0 syncs alone, then waits (Manager heartbeating) at ``global_step`` ``hold_from`` until every
-    restarted rank of group 1 has asked for its join sync and the lighthouse holds that request, until group 0's next
-    sync.
+    """Group 1 syncs 3 times with group 0, stops between two syncs (so no sync is cut in half; the stop is set before
+    the start by :func:`stop_group_1_between_syncs`) and one of its ranks is SIGKILLed; group 0 syncs alone, then
+    waits (Manager heartbeating) at ``global_step`` ``hold_from`` until every restarted rank of group 1 has asked for
+    its join sync and the lighthouse holds that request, until group 0's next sync.
 
     "Between two syncs" is a batch end with no sync in flight. Without a delay every batch end is one (a sync is
     opened and ended at one batch start). With ``sync_delay`` d a sync opened at the batch start of ``global_step``
@@ -188,7 +198,8 @@ def kill_between_syncs_and_restart(
             len([e for e in job.events("step", group=1, pid=victim, committed=True) if e["participants"] == 2]) >= 3
         ),
     )
-    gate = job.hold_from_step(1, 0, cycle=(sync_period, (-sync_delay) % sync_period))
+    gate = job.root / "pause.group1.from_step"
+    assert gate.exists(), "stop_group_1_between_syncs sets group 1's stop before the groups start"
     paused = job.wait_for(
         "group 1 to stop between two syncs", lambda: job.events("paused", pid=victim, phase="from_step")
     )

@@ -8,6 +8,8 @@ namespaces.
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -15,13 +17,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from support import listening_sockets
 from torch.distributed import ReduceOp, TCPStore
 
 from lightning_ft import FTStrategy
 from lightning_ft.manager.builder import build_cross_group_process_group, checkpoint_transport
 from lightning_ft.manager.http_transport import CheckpointHTTPTransport, stop_serving
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo
-from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
+from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, store_host_port
+from lightning_ft.manager.torchft_api import RECONFIGURE_API, readdressed_handle, reconfigure_without_manager
 
 CPU = torch.device("cpu")
 
@@ -62,11 +66,30 @@ def test_a_chosen_hostname_binds_gloo_unless_gloo_socket_ifname_is_set(monkeypat
 def test_the_gloo_group_bound_to_a_chosen_address_configures_and_reduces():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = AddressedProcessGroupGloo("127.0.0.1", timeout=timedelta(seconds=30))
-    pg.configure(f"127.0.0.1:{store.port}/lightning_ft_test", "replica0", 0, 1)
+    reconfigure_without_manager(pg, f"127.0.0.1:{store.port}", rank=0, world_size=1, quorum_id=1)
     tensor = torch.arange(4.0)
     pg.allreduce([tensor], ReduceOp.SUM).wait()
     assert torch.equal(tensor, torch.arange(4.0))
     assert pg.getBackendName() == "torchft-gloo"
+
+
+@pytest.mark.parametrize(("host", "advertised"), [("127.0.0.1", "127.0.0.1:4242"), ("::1", "[::1]:4242")])
+def test_a_reconfigure_handle_advertises_the_chosen_host_and_keeps_the_rest(host, advertised):
+    handle = json.dumps({"id": "abc", "store": "vm:4242", "global_rank": 3})
+    assert json.loads(readdressed_handle(handle, host)) == {"id": "abc", "store": advertised, "global_rank": 3}
+
+
+@pytest.mark.skipif(
+    not RECONFIGURE_API, reason="torchft 0.3's reconfigure handles; 0.2 rendezvouses on the group store"
+)
+def test_the_rendezvous_store_a_process_group_hosts_listens_on_the_chosen_loopback_address_only():
+    """torchft 0.3 opens it on every interface and advertises ``socket.gethostname()``; a group that advertises
+    loopback must be reachable there and nowhere else, like its other listeners."""
+    settings = FTStrategy(hostname="127.0.0.1").settings
+    process_group = build_cross_group_process_group(settings, CPU, "127.0.0.1")
+    host, port = store_host_port(json.loads(process_group.get_reconfigure_handle())["store"])
+    assert host == "127.0.0.1"
+    assert {bound for bound, listening in listening_sockets(os.getpid()) if listening == port} == {"127.0.0.1"}
 
 
 @pytest.mark.parametrize(("hostname", "host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])

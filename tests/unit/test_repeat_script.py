@@ -17,7 +17,10 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_a_run_records_each_failed_test_with_its_failure_and_ends_its_busy_loops(tmp_path, monkeypatch):
     suite = tmp_path / "test_sample.py"
-    suite.write_text("def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2, 'one is not two'\n")
+    suite.write_text(
+        "import time\n\ndef test_passes():\n    time.sleep(1.0)\n\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
+    )
     record = tmp_path / "runs.jsonl"
     loops: list = []
     start = repeat.start_busy_loops
@@ -31,6 +34,7 @@ def test_a_run_records_each_failed_test_with_its_failure_and_ends_its_busy_loops
         assert run["tests"] == 2 and run["exit_code"] != 0
         [failure] = run["failed"]
         assert failure["test"].endswith("test_fails") and "one is not two" in failure["failure"]
+        assert run["slowest"][0]["test"].endswith("test_passes") and run["slowest"][0]["seconds"] >= 1.0, run["slowest"]
     assert len(loops) == 2 and all(loop.poll() is not None for loop in loops), "a busy loop outlived its run"
     assert "2 runs (2 under load), 2 failed" in repeat.summary(repeat.read_record(record))
 

@@ -20,6 +20,7 @@ from lightning_ft.manager import arrival, quorum_store
 from lightning_ft.manager.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 from lightning_ft.manager.moved_on import MovedOn
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
+from lightning_ft.manager.torchft_api import reconfigure_without_manager
 
 GLOO_TIMEOUT = timedelta(seconds=600)
 # What is under test is an allreduce left pending, not the members' arrival: the test starts the two ranks one after
@@ -30,7 +31,7 @@ quorum_store.wait_for_every_member = functools.partial(arrival.wait_for_every_me
 
 def main(role: str, store: str) -> None:
     pg = StoreCheckedProcessGroupGloo(timeout=GLOO_TIMEOUT)
-    pg.configure(f"{store}/quorum1", "replica", rank=0 if role == "stuck" else 1, world_size=2, quorum_id=1)
+    reconfigure_without_manager(pg, store, rank=0 if role == "stuck" else 1, world_size=2, quorum_id=1)
     if role == "silent":
         sys.stdin.read()
         return
@@ -44,7 +45,7 @@ def main(role: str, store: str) -> None:
     else:
         raise AssertionError("the allreduce the silent rank never joined completed")
     pending_group = pg._pg
-    pg.configure(f"{store}/quorum2", "replica", rank=0, world_size=1, quorum_id=2)
+    reconfigure_without_manager(pg, store, rank=0, world_size=1, quorum_id=2)
     assert pg._pg is not pending_group, "the old group must be set aside, the new one configured"
     fresh = torch.full((4,), 3.0)
     pg.allreduce([fresh], torch.distributed.AllreduceOptions()).wait()
