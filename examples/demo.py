@@ -51,6 +51,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", default="runs/demo")
     parser.add_argument("--kill-at-step", type=int, default=300)
+    parser.add_argument(
+        "train_args",
+        nargs="*",
+        help="after `--`: more arguments for examples/train.py (LightningCLI), e.g. --trainer.accelerator=gpu",
+    )
     args = parser.parse_args()
 
     run = Path(args.run_dir).resolve()
@@ -63,7 +68,7 @@ def main() -> int:
     command = [
         sys.executable, "-m", "lightning_ft_cli", "launch",
         "--replica-groups=2", "--max-restarts=2", f"--events-dir={event_dir}",
-        "--", "python", str(HERE / "train.py"), "fit", f"--config={HERE / 'configs' / 'demo.yaml'}",
+        "--", "python", str(HERE / "train.py"), "fit", f"--config={HERE / 'configs' / 'demo.yaml'}", *args.train_args,
     ]  # fmt: skip
     print(f"demo: starting 2 replica groups; full output in {run / 'launch.log'}", flush=True)
     with open(run / "launch.log", "wb") as log:
