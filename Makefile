@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -m "not soak and not scale and not control and not paths" --durations=25 tests
 
 # Outside `make test` (which stays under 20 minutes on 2 cores), and run by CI after it: many replica groups at once

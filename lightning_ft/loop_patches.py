@@ -114,9 +114,9 @@ def summarize_the_model_once(patches: LoopPatches, trainer: pl.Trainer) -> None:
     They print from ``trainer.is_global_zero``, which is true in every group's rank 0 (ranks stay group-local); every
     group would print the same table. Lightning's other rank-zero output already follows the job-wide rank.
     """
-    if rank_zero_only.rank == 0:
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set by Lightning at run time
         return
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, ModelSummary):
             patches.assign(callback, "on_fit_start", lambda *args, **kwargs: None)
 

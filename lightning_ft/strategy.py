@@ -272,7 +272,7 @@ class FTStrategy(ShardedGroupHooks):
         code learns its job-wide shard from :func:`lightning_ft.job_shard`."""
         super().set_world_ranks()
         shard = self.job_shard
-        rank_zero_only.rank = utilities_rank_zero_only.rank = shard.rank
+        rank_zero_only.rank = utilities_rank_zero_only.rank = shard.rank  # type: ignore[attr-defined]  # Lightning's own rank-zero attribute
         publish_job_shard(shard)
 
     @property
@@ -308,7 +308,7 @@ class FTStrategy(ShardedGroupHooks):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """With exactly-once data, a training batch is where the step's quorum opens (a behind group heals here) and
         where the batch is checked against the samples the quorum assigns."""
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if self._exactly_once.data is not None and trainer.training:
             batch = self._exactly_once.batch_for_step(batch, trainer, self.step_protocol, self.manager, dataloader_idx)
         return super().batch_to_device(batch, device=device, dataloader_idx=dataloader_idx)
@@ -316,10 +316,10 @@ class FTStrategy(ShardedGroupHooks):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         super().setup_environment()
         if self.data_parallel.sharded:  # before configure_model(), which may shard over `self.device_mesh`
-            self._device_mesh = self.lightning_module._device_mesh = group_mesh(self.root_device)
+            self._device_mesh = self._module._device_mesh = group_mesh(self.root_device)
         if trainer.state.fn not in _RUNS_A_MANAGER:
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -355,11 +355,11 @@ class FTStrategy(ShardedGroupHooks):
             return None
         assert self._handle is not None
         return ModelBuffers(
-            self.lightning_module,
+            self._module,
             self._handle.manager,
             group_size=self.world_size,
             restore_on_reject=not self.algorithm.semi_sync,
-            at_batch_end=not self.algorithm.semi_sync and not self.lightning_module.automatic_optimization,
+            at_batch_end=not self.algorithm.semi_sync and not self._module.automatic_optimization,
         )
 
     @override
@@ -373,7 +373,7 @@ class FTStrategy(ShardedGroupHooks):
 
     def _section_position(self) -> tuple[int, int, int]:
         """Where this group is when it enters a sync section: committed step, epoch, batches read in this fit."""
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         step = self._handle.manager.current_step() if self._handle is not None else 0
         if self._protocol is None:
             return step, 0, 0
@@ -397,7 +397,7 @@ class FTStrategy(ShardedGroupHooks):
                 self._exactly_once.prepare(trainer, self._patches)
         if self._collectives is not None:
             loop_patches.keep_dataloader_checks_group_local(self._patches, trainer, self._collectives)
-            loop_patches.sync_metrics_across_groups(self._patches, self.lightning_module, self._collectives.all_gather)
+            loop_patches.sync_metrics_across_groups(self._patches, self._module, self._collectives.all_gather)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -435,7 +435,7 @@ class FTStrategy(ShardedGroupHooks):
     def _open_sync_section(self) -> None:
         """Every group validates (tests) at the same committed step: its reductions may cross groups. Not during
         the sanity check, which a restarted group runs while its peers train."""
-        if self._collectives is not None and not self.lightning_module.trainer.sanity_checking:
+        if self._collectives is not None and not self._module.trainer.sanity_checking:
             self._collectives.open_section()
 
     # ------------------------------------------------------------------ the step
@@ -455,6 +455,8 @@ class FTStrategy(ShardedGroupHooks):
         if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         protocol, comm_state = self.step_protocol, self._comm_state
+        model = model or self._module
+        assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
         gated = CommitGatedOptimizer(
             optimizer,
             protocol,
@@ -463,8 +465,8 @@ class FTStrategy(ShardedGroupHooks):
         )
         try:
             output = self.precision_plugin.optimizer_step(
-                gated,  # type: ignore[arg-type]
-                model=model or self.lightning_module,
+                gated,
+                model=model,
                 closure=closure,
                 **kwargs,
             )
@@ -513,7 +515,7 @@ class FTStrategy(ShardedGroupHooks):
     def on_train_end(self) -> None:
         """Record the job's end; the ``finished`` event, with a fingerprint of the final state when the event log
         was asked for explicitly (the fault tests; never by default: with FSDP it gathers the whole state)."""
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if self._lifecycle is not None and self._protocol is not None:
             self._lifecycle.record_the_end(trainer, self.manager.current_step())
         if events.enabled():

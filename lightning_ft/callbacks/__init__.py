@@ -53,8 +53,8 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
         ManagerCheckpointCallback,
         FaultToleranceMonitor,
     ]
-    missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]
-    trainer.callbacks[0:0] = missing
+    missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    trainer.callbacks[0:0] = missing  # type: ignore[attr-defined]
 
 
 __all__ = [

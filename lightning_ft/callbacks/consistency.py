@@ -148,7 +148,7 @@ class ReplicaConsistencyCheck(Callback):
 def fingerprinted_tensors(module: pl.LightningModule, settings: FTSettings | None) -> list[Tensor]:
     """The parameters, and the buffers that the job averages (``buffer_sync="average"``, the default): both are
     meant to be bit-identical at every committed step. With ``buffer_sync="off"`` buffers differ by design."""
-    tensors = list(module.parameters())
+    tensors: list[torch.Tensor] = list(module.parameters())
     if settings is None or settings.buffer_sync == "average":
         tensors += [getattr(owner, attribute) for _, owner, attribute in synced_buffers(module)]
     return tensors

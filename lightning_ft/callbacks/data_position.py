@@ -77,7 +77,7 @@ class DataPositionCallback(Callback):
     def _check_runs_before_quorum(self, trainer: pl.Trainer) -> None:
         from lightning_ft.callbacks.quorum import QuorumCallback
 
-        callbacks = trainer.callbacks
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         quorum = next((index for index, cb in enumerate(callbacks) if isinstance(cb, QuorumCallback)), None)
         if quorum is not None and callbacks.index(self) > quorum:
             raise RuntimeError(

@@ -101,7 +101,7 @@ class FaultToleranceMonitor(Callback):
         """The job's logger owner (rank 0 of group 0) leaves a pointer to the run's event log in its logger's
         directory, once the logger has made it (:func:`lightning_ft_job.events.point_log_dir_at_run`): what
         ``lightning-ft report <the logger's directory>`` follows."""
-        if rank_zero_only.rank == 0 and has_ft_manager(trainer):
+        if rank_zero_only.rank == 0 and has_ft_manager(trainer):  # type: ignore[attr-defined]  # set by Lightning at run time
             events.point_log_dir_at_run(_logger_directory(trainer))
 
     @override
@@ -210,6 +210,6 @@ def _logger_directory(trainer: pl.Trainer) -> str | None:
     if not trainer.loggers:
         return None
     logger = trainer.loggers[0]
-    _ = logger.experiment  # made now if not yet: a logger warns when its new directory already holds a file
+    getattr(logger, "experiment", None)  # made now if not yet: a logger warns when its new directory holds a file
     directory = getattr(logger, "log_dir", None) or logger.save_dir
     return None if directory is None else str(directory)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,7 +279,7 @@ def exactly_once_loader(
         raise FTConfigError("data_mode='exactly_once' needs DataLoader(in_order=True) (the default).")
     shuffle, seed = _order_of(dataloader.sampler)
     schedule = ExactlyOnceSchedule(
-        num_samples=len(dataset),  # type: ignore[arg-type]
+        num_samples=len(dataset),
         batch_size=dataloader.batch_size,
         group_size=group_size,
         group_rank=group_rank,
@@ -306,7 +306,7 @@ def exactly_once_loader(
     return loader, data
 
 
-def _order_of(sampler: Sampler) -> tuple[bool, int]:
+def _order_of(sampler: Sampler | Iterable[Any]) -> tuple[bool, int]:
     """Whether the user asked for shuffling, and with which seed, from the sampler the loader was given."""
     if isinstance(sampler, DistributedSamplerWrapper):  # Lightning's wrapper around a custom sampler
         sampler = sampler.dataset._sampler  # type: ignore[attr-defined]

@@ -50,7 +50,8 @@ class LoopPosition:
         fit_loop = trainer.fit_loop
         progress = fit_loop.epoch_loop.batch_progress
         # `processed` is the epoch Lightning sets on the samplers at epoch start (see FitLoop.on_advance_start).
-        return cls(fit_loop.epoch_progress.current.processed, progress.current.ready, progress.total.ready)
+        epoch = fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # a _ProcessedTracker
+        return cls(epoch, progress.current.ready, progress.total.ready)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -26,6 +26,7 @@ import importlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -51,7 +52,10 @@ _AUTO_WRAPPED_MARK = "_lightning_ft_auto_wrapped"
 def group_mesh(device: torch.device) -> DeviceMesh:
     """A 1-D mesh over this replica group's default process group (named ``"data_parallel"``, as in Lightning's
     ``ModelParallelStrategy``), made from the existing group so that no new process group is created."""
-    return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=(MESH_DIM,))
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("FTStrategy(data_parallel='fsdp'): the replica group's process group is not initialized.")
+    return DeviceMesh.from_group(world, device.type, mesh_dim_names=(MESH_DIM,))
 
 
 def fsdp_modules(module: nn.Module) -> Iterator[FSDPModule]:
@@ -136,7 +140,7 @@ def register_step_methods(module: FSDPModule) -> None:
 def _auto_wrap(root: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) -> None:
     """``fully_shard`` bottom-up: listed classes and modules over the size threshold, then the root."""
     classes = _resolve_wrap_classes(root, settings.wrap_classes)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": settings.mixed_precision,
         "offload_policy": settings.offload_policy,
@@ -154,10 +158,10 @@ def _auto_wrap(root: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) -> Non
         listed = any(_matches(submodule, wanted) for wanted in classes)
         large = settings.min_params is not None and sum(param.numel() for param in own) >= settings.min_params
         if listed or large:
-            fully_shard(submodule, **kwargs)  # type: ignore[arg-type]
+            fully_shard(submodule, **kwargs)
             wrapped += 1
             log.debug("lightning-ft: fully_shard(%s)", name)
-    fully_shard(root, **kwargs)  # type: ignore[arg-type]
+    fully_shard(root, **kwargs)
     log.info("lightning-ft: FSDP2 sharded the model over %d process(es): %d module(s) + the root", mesh.size(), wrapped)
 
 

@@ -14,7 +14,7 @@ local shape all match. A mismatch (groups of different sizes, another model) is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -48,7 +48,7 @@ def to_local_shards(tree: Any) -> Any:
     """
     if isinstance(tree, DTensor):
         return {
-            SHARD_KEY: tree.detach().to_local(),
+            SHARD_KEY: cast(DTensor, tree.detach()).to_local(),
             "global_shape": list(tree.shape),
             "placements": [str(placement) for placement in tree.placements],
         }

@@ -35,7 +35,18 @@ class ShardedGroupHooks(DDPStrategy):
     data_parallel: DataParallelSettings
     _device_mesh: DeviceMesh | None
     manager: Manager
-    step_protocol: StepProtocol
+
+    @property
+    def step_protocol(self) -> StepProtocol:
+        raise NotImplementedError  # FTStrategy's
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        """``lightning_module``, which Lightning attaches before it calls any of these hooks."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("FTStrategy: no LightningModule is attached yet.")
+        return module
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -57,9 +68,9 @@ class ShardedGroupHooks(DDPStrategy):
         self.model_to_device()
         if fitting:
             assert self.data_parallel.fsdp is not None and self._device_mesh is not None
-            shard_module(self.lightning_module, self._device_mesh, self.data_parallel.fsdp)
+            shard_module(self._module, self._device_mesh, self.data_parallel.fsdp)
             hook = fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.before_cross_group_allreduce)
-            for fsdp_module in fsdp_modules(self.lightning_module):
+            for fsdp_module in fsdp_modules(self._module):
                 fsdp_module.set_all_reduce_hook(hook)
             self.setup_optimizers(trainer)
         elif not is_sharded(self.model):
@@ -83,7 +94,7 @@ class ShardedGroupHooks(DDPStrategy):
         """With FSDP, the full (unsharded) model state, gathered for group rank 0."""
         if not self.data_parallel.sharded:
             return super().lightning_module_state_dict()
-        return sharded_checkpoint.full_model_state(self.lightning_module)
+        return sharded_checkpoint.full_model_state(self._module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -91,17 +102,17 @@ class ShardedGroupHooks(DDPStrategy):
         if not self.data_parallel.sharded:
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        return sharded_checkpoint.full_optimizer_state(self.lightning_module, optimizer)
+        return sharded_checkpoint.full_optimizer_state(self._module, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self.data_parallel.sharded:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        sharded_checkpoint.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        sharded_checkpoint.load_full_model_state(self._module, checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self.data_parallel.sharded:
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            sharded_checkpoint.load_full_optimizer_state(self.lightning_module, optimizer, state)
+            sharded_checkpoint.load_full_optimizer_state(self._module, optimizer, state)

@@ -37,7 +37,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -141,7 +141,7 @@ def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) ->
         address[0] = (hostname, store.port)
     if group_world_size > 1:
         dist.broadcast_object_list(address, src=0)
-    host, port = address[0]  # type: ignore[misc]
+    host, port = cast(tuple[str, int], address[0])
     return store, str(host), int(port)
 
 
@@ -185,7 +185,7 @@ def build_manager(
 
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = build_cross_group_process_group(settings, device, hostname)
-    transport = TimedTransport(checkpoint_transport(settings, pg, device, hostname))
+    transport: TimedTransport[Any] = TimedTransport(checkpoint_transport(settings, pg, device, hostname))
     with manager_server_bound_to(hostname), lighthouse_reached(lighthouse_addr, settings):
         manager = FTManager(
             pg=pg,

@@ -60,6 +60,8 @@ class FTManager(Manager):
     ``_participating_replica_world_size`` and ``_participating_replica_rank`` (what the quorum just completed set).
     """
 
+    _healing: bool  # torchft's: whether this replica heals in the current quorum
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._heal_checks: dict[str, Callable[[Any], Any]] = {}

@@ -22,13 +22,14 @@ benchmark in ``docs/benchmarks.md`` measures the difference.
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 import socket
 import threading
 import urllib.request
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
 from torch import _weights_only_unpickler
@@ -49,13 +50,13 @@ class RefusedPeerStateError(LightningFTError, RuntimeError):
 class _ReadOnceZipFile(_PseudoZipFile):
     """torch's in-memory "zip file" of a streamed checkpoint, whose storages are read once, into their final tensors."""
 
-    def read_from(self, f: BinaryIO) -> None:
+    def read_from(self, f: io.BufferedIOBase) -> None:
         for entry in _weights_only_unpickler.load(f):
             if not entry.is_storage:
                 self.records[entry.key] = (f.read(entry.length), entry.length)
                 continue
             storage = torch.empty(entry.length, dtype=torch.uint8)
-            view = memoryview(storage.numpy()) if entry.length else memoryview(b"")
+            view = storage.numpy().data if entry.length else memoryview(b"")
             received = 0
             while received < entry.length:
                 count = f.readinto(view[received:])
@@ -65,13 +66,13 @@ class _ReadOnceZipFile(_PseudoZipFile):
             self.records[entry.key] = (storage, entry.length)
 
     def get_storage_from_record(self, key: str, _length: int, _type: int) -> torch.Tensor:
-        return self.records[key][0]  # already the uint8 tensor the storage lives in: no copy
+        return cast(torch.Tensor, self.records[key][0])  # already the uint8 tensor the storage lives in: no copy
 
 
 def streaming_load_once(stream: BinaryIO) -> object:
     """torch's ``_streaming_load(stream, weights_only=True)``, with every storage read once into its own tensor."""
     zip_file = _ReadOnceZipFile()
-    zip_file.read_from(stream)
+    zip_file.read_from(cast(io.BufferedIOBase, stream))  # an HTTP response or a file: both have readinto()
     return _load(zip_file=zip_file, map_location=None, pickle_module=_weights_only_unpickler, encoding="utf-8")
 
 
@@ -103,6 +104,8 @@ class _ThreadingServer(ThreadingHTTPServer):
 class CheckpointHTTPTransport(HTTPTransport):
     """torchft's HTTP transport: plain-data loads, the group's own advertised address, loopback when local."""
 
+    _server: ThreadingHTTPServer  # torchft's, replaced by :meth:`_rebind` on loopback
+
     def __init__(self, hostname: str, timeout: timedelta, num_chunks: int = 0) -> None:
         if num_chunks:
             # torchft's chunked fetch sends a pytree TreeSpec first, which a weights_only load refuses: it could never
@@ -115,7 +118,7 @@ class CheckpointHTTPTransport(HTTPTransport):
         super().__init__(timeout=timeout, num_chunks=num_chunks)
         # http.server prints one access line per request to stderr (`"GET /checkpoint/0/full" 200`) in the serving
         # group's output; the `healed` line of the group that fetched says what happened. Errors are still printed.
-        self._server.RequestHandlerClass.log_request = _no_access_log
+        self._server.RequestHandlerClass.log_request = _no_access_log  # type: ignore[attr-defined]
         if is_loopback(hostname):
             self._rebind(numeric_host(hostname))
 

@@ -79,11 +79,11 @@ def manager_server_bound_to(hostname: str) -> Iterator[None]:
         port = bind.rsplit(":", 1)[1]
         return original(*args, bind=f"{host}:{port}", **kwargs)
 
-    torchft.manager.ManagerServer = bound_server  # type: ignore[misc,assignment]
+    torchft.manager.ManagerServer = bound_server
     try:
         yield
     finally:
-        torchft.manager.ManagerServer = original  # type: ignore[misc]
+        torchft.manager.ManagerServer = original
 
 
 class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
@@ -101,7 +101,7 @@ class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
         self._hostname = hostname
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        options = BaseProcessGroupGloo._Options()
+        options = BaseProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._devices = [BaseProcessGroupGloo.create_device(hostname=self._hostname)]
         options._timeout = self._timeout
         options._threads = 2  # what torch's constructor gives one device
@@ -110,9 +110,8 @@ class AddressedProcessGroupGloo(StoreCheckedProcessGroupGloo):
         if self._global_ranks:
             backend.options.global_ranks_in_group = self._global_ranks
         if self._group_rank and self._group_world_size:
-            backend.options.group_name = (
-                f"torchft_quorum_{self.entered_quorum_id}_rank_{self._group_rank % self._group_world_size}"
-            )
+            name = f"torchft_quorum_{self.entered_quorum_id}_rank_{self._group_rank % self._group_world_size}"
+            backend.options.group_name = name  # type: ignore[assignment]  # a GroupName is a str
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)

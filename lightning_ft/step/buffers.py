@@ -62,7 +62,7 @@ from lightning_ft.manager.internals import cross_group_process_group, crosses_gr
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 _SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp.SUM
+_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
 
 
 def synced_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:

@@ -154,7 +154,7 @@ def cross_group_average(
 
 
 _SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp.SUM
+_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
 
 
 def _report(manager: Manager, error: Exception) -> None:

@@ -165,10 +165,11 @@ class StepProtocol:
         if buffers is not None:
             buffers.average()
         self._abort_failed_process_group()
-        self._record(self._vote())
+        decision = self._vote()
+        self._record(decision)
         if buffers is not None:  # after the vote, which may have healed this replica's buffers
-            buffers.settle(self._decision)
-        return self._decision
+            buffers.settle(decision)
+        return decision
 
     def read_at_vote(self, finite: Callable[[], bool] | None = None, loss: Tensor | None = None) -> None:
         """What this step's vote reads from the device: ``finite()`` says whether the averaged gradient is finite
