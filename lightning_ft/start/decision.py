@@ -16,8 +16,8 @@ process and before the first quorum, on the group's rank 0 (the decision is broa
    ``ckpt_path`` (a given one is the user's choice, and wins) resumes from it unless a live peer is already at or
    past it (the group then heals from that peer and reads nothing from disk). Either way the group's first quorum
    must reach the checkpoint's step: if the peer it counted on has died meanwhile, the group stops
-   (:class:`JobBehindCheckpointError`) and its restart resumes from the checkpoint, rather than taking the job back
-   to an older state.
+   (:class:`~lightning_ft.step.protocol.JobBehindCheckpointError`, raised by the step protocol's floor check) and
+   its restart resumes from the checkpoint, rather than taking the job back to an older state.
 4. **No record at all.** A restarted group (a torchrun restart, or a new process joining a job whose last quorum it
    can see) that finds no live peer after waiting ``start_timeout`` stops with :class:`NoLivePeerError`: training
    on alone would start the job over from this group's initial weights. If it found one, its first quorum must
@@ -56,11 +56,6 @@ class JobAlreadyFinished(SystemExit):
 
 class NoLivePeerError(LightningFTError, RuntimeError):
     """A restarted group found no live peer and the job keeps no checkpoint to resume from."""
-
-
-class JobBehindCheckpointError(LightningFTError, RuntimeError):
-    """The groups of this group's first quorum are behind a step the job had already reached (its newest checkpoint,
-    or its last quorum's step when it keeps no checkpoint)."""
 
 
 @dataclass(frozen=True)

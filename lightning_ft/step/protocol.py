@@ -33,11 +33,15 @@ from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.manager.vote_inputs import host_copy, should_commit_reading
-from lightning_ft.start.decision import JobBehindCheckpointError
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+
+class JobBehindCheckpointError(LightningFTError, RuntimeError):
+    """The groups of this group's first quorum are behind a step the job had already reached (its newest checkpoint,
+    or its last quorum's step when it keeps no checkpoint)."""
 
 
 class QuorumNotStartedError(LightningFTError, RuntimeError):

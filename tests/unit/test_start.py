@@ -17,13 +17,12 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft.settings import FTConfigError, resolve_settings
 from lightning_ft.start.decision import (
-    JobBehindCheckpointError,
     StartContext,
     decide_start,
     finished_job,
 )
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
-from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.step.protocol import JobBehindCheckpointError, StepProtocol
 
 PREFIX = "lightning_ft_"
 

@@ -90,3 +90,53 @@ def test_no_module_is_long_and_the_strategy_stays_thin():
 def test_no_module_name_appears_twice_in_the_library():
     names = [path.stem for path in modules("lightning_ft").values() if path.stem != "__init__"]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def folder_imports(package: str = "lightning_ft") -> dict[str, set[str]]:
+    """For each subpackage (folder) of ``package``, the other subpackages its modules import."""
+    known = modules(package)
+    folders = {name for name, path in known.items() if path.name == "__init__.py" and name.count(".") == 1}
+
+    def folder(name: str) -> str | None:
+        top = ".".join(name.split(".")[:2])
+        return top if top in folders else None
+
+    graph: dict[str, set[str]] = {name: set() for name in folders}
+    for name, path in known.items():
+        source = folder(name)
+        if source is None:
+            continue
+        graph[source] |= {f for i in imports_of(path) if i in known and (f := folder(i)) not in (None, source)}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := visit(target, [*path, target])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_the_folders_of_the_package():
+    """Folders name concepts (docs/concepts.md); an arrow both ways between two means neither can be read alone
+    (``step/protocol.py`` once imported an error from ``start/``, whose ``lifecycle.py`` drives the protocol)."""
+    cycle = cycle_in(folder_imports())
+    assert cycle is None, "folder import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_folder_cycle_check_finds_a_cycle():
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle_in({"a": {"b"}, "b": set()}) is None
