@@ -24,6 +24,7 @@ from torchft.local_sgd import DiLoCo
 
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.fragments import fragment_modules, resolve_fragments
+from lightning_ft.manager.internals import diloco_fragments, fragment_outer_optimizer, fragment_updates_off
 from lightning_ft.step.protocol import StepProtocol
 
 
@@ -54,24 +55,17 @@ class DiLoCoSync:
 
     @property
     def outer_optimizers(self) -> list[Optimizer]:
-        return [fragment._outer_optimizer for fragment in self._diloco._fragments]
+        return [fragment_outer_optimizer(fragment) for fragment in diloco_fragments(self._diloco)]
 
     @property
     def num_fragments(self) -> int:
-        return len(self._diloco._fragments)
+        return len(diloco_fragments(self._diloco))
 
     @contextlib.contextmanager
     def without_update_alpha(self) -> Iterator[None]:
         """Syncs that take the global parameters as they are (the final sync: replicas must end identical)."""
-        fragments = self._diloco._fragments
-        alphas = [fragment._fragment_update_alpha for fragment in fragments]
-        for fragment in fragments:
-            fragment._fragment_update_alpha = 0.0
-        try:
+        with fragment_updates_off(diloco_fragments(self._diloco)):
             yield
-        finally:
-            for fragment, alpha in zip(fragments, alphas, strict=True):
-                fragment._fragment_update_alpha = alpha
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs beyond the model: each fragment's global parameters and outer optimizer state
@@ -79,7 +73,8 @@ class DiLoCoSync:
         return {
             "fragments": self.fragment_names,
             "global_parameters": [
-                {name: t.detach().clone() for name, t in f.original_parameters.items()} for f in self._diloco._fragments
+                {name: t.detach().clone() for name, t in f.original_parameters.items()}
+                for f in diloco_fragments(self._diloco)
             ],
             "outer_optimizers": [optimizer.state_dict() for optimizer in self.outer_optimizers],
         }
@@ -91,7 +86,7 @@ class DiLoCoSync:
                 "changed); its global parameters and outer optimizer state cannot be restored."
             )
         with torch.no_grad():
-            for fragment, saved in zip(self._diloco._fragments, state["global_parameters"], strict=True):
+            for fragment, saved in zip(diloco_fragments(self._diloco), state["global_parameters"], strict=True):
                 for name, tensor in fragment.original_parameters.items():
                     tensor.copy_(saved[name])
         for optimizer, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
@@ -99,7 +94,7 @@ class DiLoCoSync:
 
     def current_fragment(self) -> int:
         """Which fragment the next sync is for: torchft's rule, from the Manager step that every group shares."""
-        return self._manager.current_step() % len(self._diloco._fragments)
+        return self._manager.current_step() % len(diloco_fragments(self._diloco))
 
     def join_at_start(self, protocol: StepProtocol) -> bool:
         """The job's first sync: every group is here at Manager step 0, and the quorum's ``init_sync`` made their
@@ -125,7 +120,7 @@ class DiLoCoSync:
         With ``fragment_sync_delay`` > 0 the inner steps in between run while the allreduce is in flight; the
         pseudo-gradient is the one taken here."""
         index = self.current_fragment()
-        self._diloco._fragments[index].prepare_sync()
+        diloco_fragments(self._diloco)[index].prepare_sync()
         return index
 
     def perform(self, protocol: StepProtocol, index: int) -> bool:
@@ -137,7 +132,7 @@ class DiLoCoSync:
         buffers = protocol.buffers  # not part of any fragment: their change is averaged at every sync, before the vote
         if buffers is not None:
             buffers.average()
-        committed = self._diloco._fragments[index].perform_sync()
+        committed = diloco_fragments(self._diloco)[index].perform_sync()
         protocol.record_commit(committed)
         if buffers is not None:
             buffers.settle(committed)

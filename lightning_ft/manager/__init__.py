@@ -41,6 +41,9 @@ Internal                                   Why                                  
                                            it zeroes)
 ``Manager._client``                        ride out lighthouse outages; a one-process   client injection in the
                                            group's vote without an RPC                  constructor
+``Manager._store`` (``MANAGER_ADDR_KEY``,  a second RPC client for the outage rescue;   a ManagerServer that answers
+``REPLICA_ID_KEY``)                        this lifetime's replica id (group claim)     its pending requests; a public
+                                                                                        ``replica_id()``
 ``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper
                                            abort; the failure injector's stuck faults
 ``ProcessGroupWrapper._wrap_work``         watch every operation, and give up one the   a cancellable work, or Gloo
@@ -51,6 +54,9 @@ Internal                                   Why                                  
 ``_rendezvous_store`` (0.3)                :mod:`.quorum_store`, :mod:`.torchft_api`);
                                            0.3: advertise the rendezvous store at the   a host option for the
                                            group's address                              rendezvous store
+``DiLoCo._fragments``, a fragment's        DiLoCo's checkpoint (global parameters,      public ``fragments`` and
+``_outer_optimizer`` and                   outer optimizer state); the final sync       ``outer_optimizer``; an
+``_fragment_update_alpha``                 takes the global parameters as they are      update alpha per sync
 ``torchft.manager.ManagerServer``          bind the ManagerServer to the advertised     a bind address option
 (swapped while the Manager is built)       address (:mod:`.listeners`)
 lighthouse ``/status`` HTML                which groups heartbeat, the last quorum      a JSON status endpoint, or

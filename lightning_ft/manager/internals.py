@@ -22,6 +22,11 @@ They take any Manager (or a test's stand-in with the same attributes):
   ``Manager._store``, under torchft's ``MANAGER_ADDR_KEY``), with which
   :mod:`lightning_ft.manager.lighthouse_outage` releases a quorum request that a lighthouse outage left hanging.
   Upstream hook: a ManagerServer that answers its pending quorum requests with the lighthouse's error.
+* :func:`diloco_fragments`, :func:`fragment_outer_optimizer` and :func:`fragment_updates_off`: torchft's DiLoCo
+  fragments (``DiLoCo._fragments``), each one's outer optimizer (``_outer_optimizer``), and their
+  ``_fragment_update_alpha`` set to 0 for a sync that must take the global parameters as they are (the final sync),
+  for :mod:`lightning_ft.algorithms.diloco`. Upstream hooks: public ``fragments`` and ``outer_optimizer``, and an
+  update alpha per sync call.
 * :func:`lifetime_replica_id`: the replica id torchft registered for this process lifetime (``Manager._store``, under
   ``REPLICA_ID_KEY``), for :mod:`lightning_ft.manager.group_claim`. Upstream hook: a public ``replica_id()``.
 
@@ -30,10 +35,12 @@ The quorum id and the quorum observers are :class:`~lightning_ft.manager.ft_mana
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from torch.optim import Optimizer
 from torchft import Manager, ProcessGroupGloo
 from torchft._torchft import ManagerClient
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
@@ -122,3 +129,27 @@ def manager_client(manager: Manager) -> Any:
 def install_client(manager: Manager, client: Any) -> None:
     """Make ``client`` (a wrapper of :func:`manager_client`) the Manager's RPC client."""
     manager._client = client
+
+
+def diloco_fragments(diloco: Any) -> list[Any]:
+    """The fragments of a ``torchft.local_sgd.DiLoCo``, in sync order (each holds its ``original_parameters``)."""
+    return list(diloco._fragments)
+
+
+def fragment_outer_optimizer(fragment: Any) -> Optimizer:
+    """The outer optimizer of one DiLoCo fragment."""
+    optimizer: Optimizer = fragment._outer_optimizer
+    return optimizer
+
+
+@contextlib.contextmanager
+def fragment_updates_off(fragments: list[Any]) -> Iterator[None]:
+    """Every fragment's update alpha at 0 (the sync takes the global parameters as they are), restored after."""
+    alphas = [fragment._fragment_update_alpha for fragment in fragments]
+    for fragment in fragments:
+        fragment._fragment_update_alpha = 0.0
+    try:
+        yield
+    finally:
+        for fragment, alpha in zip(fragments, alphas, strict=True):
+            fragment._fragment_update_alpha = alpha
