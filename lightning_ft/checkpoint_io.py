@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.errors import LightningFTError
 
 
@@ -82,7 +81,7 @@ def refused_global(error: BaseException) -> str | None:
     return None
 
 
-def unreadable_checkpoint(path: _PATH, error: Exception) -> UnreadableCheckpointError:
+def unreadable_checkpoint(path: lightning.PathLike, error: Exception) -> UnreadableCheckpointError:
     """Explain why ``torch.load`` could not load the checkpoint at ``path``: it holds objects that a
     ``weights_only=True`` load refuses, or it is corrupt or truncated."""
     refused = refused_global(error)
@@ -98,11 +97,11 @@ def unreadable_checkpoint(path: _PATH, error: Exception) -> UnreadableCheckpoint
     )
 
 
-def archive_damaged(path: _PATH) -> bool | None:
+def archive_damaged(path: lightning.PathLike) -> bool | None:
     """Whether the bytes at ``path`` are not an intact ``torch.save`` archive (a zip file whose members all pass
     their CRC check): True when they are not, False when they are, None when this cannot be told here (a remote
     path, or torch's legacy non-zip format, which has no checksums)."""
-    if not _is_local_file_protocol(path):
+    if not lightning.is_local_file_protocol(path):
         return None
     try:
         with open(path, "rb") as file:
@@ -118,7 +117,7 @@ def archive_damaged(path: _PATH) -> bool | None:
         return True
 
 
-def load_checked(path: _PATH, load: Callable[[], Any]) -> dict[str, Any]:
+def load_checked(path: lightning.PathLike, load: Callable[[], Any]) -> dict[str, Any]:
     """Run ``load()`` (a ``torch.load`` of ``path``) and turn a failure to read the file into an
     :class:`UnreadableCheckpointError`. A missing file or a denied access passes unchanged: those messages name the
     path already."""
@@ -146,8 +145,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with crash-safe local writes (temporary file, fsync, atomic rename)."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: lightning.PathLike, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None or not lightning.is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         target = Path(path)

@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.protocol import StepProtocol
 
@@ -144,7 +145,7 @@ def without_process_group_banner() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
-def name_checkpoints_alike(trainer: pl.Trainer) -> None:
+def name_checkpoints_alike(patches: LoopPatches, trainer: pl.Trainer) -> None:
     """Turn off ``ModelCheckpoint``'s version counter, which would name one checkpoint differently per group.
 
     Every group runs ``ModelCheckpoint``; only the writer writes. With the counter on, a group that checks for
@@ -154,8 +155,8 @@ def name_checkpoints_alike(trainer: pl.Trainer) -> None:
     file of that name is overwritten, as when a job resumes into its own directory.
     """
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback._enable_version_counter:
-            callback._enable_version_counter = False
+        if isinstance(callback, ModelCheckpoint) and lightning.version_counter_on(callback):
+            patches.assign(callback, lightning.VERSION_COUNTER, False)
             log.info(
                 "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
                 "must give a checkpoint the same name."

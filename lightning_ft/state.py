@@ -25,8 +25,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer import call as lightning_call
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.errors import LightningFTError
 from lightning_ft.hsdp.full_state import full_model_state, full_optimizer_state
 from lightning_ft.hsdp.shards import (
@@ -62,7 +62,7 @@ def capture_training_state(trainer: pl.Trainer, committed_buffers: dict[str, Any
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
         "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
-        "callbacks": lightning_call._call_callbacks_state_dict(trainer),
+        "callbacks": lightning.callbacks_state_dict(trainer),
     }
     if holds_shards(trainer):
         state["model"] = to_local_shards(state["model"])
@@ -100,7 +100,7 @@ def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     trainer.precision_plugin.load_state_dict(state["precision"])
     _rescale_unscaled_gradients(trainer, scale_before, _loss_scale(trainer))
     trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
-    lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": state["callbacks"]})
+    lightning.load_callbacks_state_dict(trainer, state["callbacks"])
 
 
 def _loss_scale(trainer: pl.Trainer) -> float | None:
@@ -198,7 +198,7 @@ def align_step_counters(trainer: pl.Trainer, committed_steps: int) -> None:
 
 def align_logger_step(trainer: pl.Trainer, committed_steps: int) -> None:
     """Log this batch's metrics at the committed step, as Lightning does with its own step count at batch start."""
-    trainer.fit_loop.epoch_loop._batches_that_stepped = committed_steps
+    lightning.set_batches_that_stepped(trainer, committed_steps)
 
 
 def broadcast_state_in_group(trainer: pl.Trainer) -> None:

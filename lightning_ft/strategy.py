@@ -18,7 +18,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -31,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft import loop_patches
 from lightning_ft.algorithms import OuterOptimizerFactory
 from lightning_ft.algorithms.config import warn_unsynced_tail
@@ -319,7 +319,8 @@ class FTStrategy(ShardedGroupHooks):
         trainer = self._module.trainer
         super().setup_environment()
         if self.data_parallel.sharded:  # before configure_model(), which may shard over `self.device_mesh`
-            self._device_mesh = self._module._device_mesh = group_mesh(self.root_device)
+            self._device_mesh = group_mesh(self.root_device)
+            lightning.set_device_mesh(self._module, self._device_mesh)
         if trainer.state.fn not in _RUNS_A_MANAGER:
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -391,7 +392,7 @@ class FTStrategy(ShardedGroupHooks):
                 warn_unsynced_tail(self.algorithm, trainer.max_steps)
             else:
                 loop_patches.gate_step_lr_schedulers(self._patches, trainer, self.step_protocol)
-            loop_patches.name_checkpoints_alike(trainer)
+            loop_patches.name_checkpoints_alike(self._patches, trainer)
             loop_patches.summarize_the_model_once(self._patches, trainer)
             if self.data_mode == "exactly_once":
                 self._exactly_once.prepare(trainer, self._patches)
@@ -479,7 +480,9 @@ class FTStrategy(ShardedGroupHooks):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: lightning.PathLike, storage_options: Any | None = None
+    ) -> None:
         """Write only on the single checkpoint writer, crash-safely, and only forward (not a state older than the
         newest in the file's directory); every rank also writes its own data position beside it."""
         step = int(checkpoint.get("global_step", 0))
@@ -493,7 +496,7 @@ class FTStrategy(ShardedGroupHooks):
             events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: lightning.PathLike) -> None:
         if self.is_checkpoint_writer:
             self.checkpoint_io.remove_checkpoint(filepath)
             remove_sidecars(filepath)
@@ -501,7 +504,7 @@ class FTStrategy(ShardedGroupHooks):
                 self._lifecycle.record.record_removal(filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: lightning.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the shared checkpoint (``weights_only=True`` unless asked otherwise: the files hold plain data),
         then give it this rank's own data position from its sidecar."""
         weights_only = True if weights_only is None else weights_only

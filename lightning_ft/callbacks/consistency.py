@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
 from lightning_ft.errors import LightningFTError
 from lightning_ft.settings import FTConfigError, FTSettings
@@ -103,7 +104,7 @@ class ReplicaConsistencyCheck(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # no vote in this batch
+        if lightning.should_accumulate(trainer):  # no vote in this batch
             return
         if not ft_step_protocol(trainer).last_step_committed:
             return  # the vote failed in every group of the quorum: the count they share did not move

@@ -9,9 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.fetchers import _DataFetcher
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
 from lightning_ft.data.position import (
     LoopPosition,
@@ -89,8 +89,8 @@ class DataPositionCallback(Callback):
         """Run :meth:`_after_epoch_start` right after the epoch loop's ``on_run_start``: the one point between
         Lightning's own restore of the position and the first batch of the epoch (no callback hook sits there)."""
 
-        def make(run_start: Callable[[_DataFetcher], None]) -> Callable[[_DataFetcher], None]:
-            def on_run_start(data_fetcher: _DataFetcher) -> None:
+        def make(run_start: Callable[[lightning.DataFetcher], None]) -> Callable[[lightning.DataFetcher], None]:
+            def on_run_start(data_fetcher: lightning.DataFetcher) -> None:
                 run_start(data_fetcher)
                 self._after_epoch_start(trainer, data_fetcher)
 
@@ -110,7 +110,7 @@ class DataPositionCallback(Callback):
     ) -> None:
         self._resume = ResumePlan.from_checkpoint(checkpoint)
 
-    def _after_epoch_start(self, trainer: pl.Trainer, fetcher: _DataFetcher) -> None:
+    def _after_epoch_start(self, trainer: pl.Trainer, fetcher: lightning.DataFetcher) -> None:
         plan, self._resume = self._resume, None
         if plan is None:
             return
@@ -163,8 +163,8 @@ class DataPositionCallback(Callback):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        fetcher = trainer.fit_loop._data_fetcher
-        combined_loader = trainer.fit_loop._combined_loader
+        fetcher = lightning.data_fetcher(trainer)
+        combined_loader = lightning.combined_loader(trainer)
         assert fetcher is not None and combined_loader is not None
         if not supports_repositioning(fetcher):
             log.warning("lightning-ft: training_step reads the dataloader itself; its position is not aligned")

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.callbacks._access import (
     ft_exactly_once_data,
     ft_manager,
@@ -157,11 +158,11 @@ class FaultToleranceMonitor(Callback):
             return
         telemetry = ft_telemetry(trainer)
         heals = len(telemetry.heals) if telemetry is not None else 0
-        if not (trainer._logger_connector.should_update_logs or heals > self._heals_logged):
+        if not (lightning.should_update_logs(trainer) or heals > self._heals_logged):
             return
         self._heals_logged = heals
         metrics = self.metrics(trainer)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this batch (as LR monitor)
+        step = lightning.batches_that_stepped(trainer)  # where Lightning logs this batch (as LR monitor)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

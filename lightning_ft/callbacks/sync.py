@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.diloco import DiLoCoSync
 from lightning_ft.algorithms.local_sgd import local_sgd_sync
@@ -91,7 +92,7 @@ class SyncCallback(Callback):
         def save() -> dict[str, int]:
             return {
                 "global_step": trainer.global_step,
-                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "batches_that_stepped": lightning.batches_that_stepped(trainer),
                 "final_syncs_left": self._final_syncs_left,
             }
 

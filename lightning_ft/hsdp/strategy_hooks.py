@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +19,7 @@ from torch.optim import Optimizer
 from torchft import Manager
 from typing_extensions import override
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.hsdp import full_state as sharded_checkpoint
 from lightning_ft.hsdp.data_parallel import DataParallelSettings
 from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, is_sharded, shard_module
@@ -74,10 +73,10 @@ class ShardedGroupHooks(DDPStrategy):
                 fsdp_module.set_all_reduce_hook(hook)
             self.setup_optimizers(trainer)
         elif not is_sharded(self.model):
-            _sync_module_states(self.model)
+            lightning.sync_module_states(self.model)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lightning.optimizers_to_device(self.optimizers, self.root_device)
 
     @contextmanager
     @override

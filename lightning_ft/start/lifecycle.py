@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.types import _PATH
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft.start.decision import (
@@ -91,7 +91,7 @@ class GroupLifecycle:
         group = self._settings.replica_group_id
 
         def make(resume_start: Callable[..., None]) -> Callable[..., None]:
-            def resume_where_the_job_is(checkpoint_path: _PATH | None = None, **kwargs: Any) -> None:
+            def resume_where_the_job_is(checkpoint_path: lightning.PathLike | None = None, **kwargs: Any) -> None:
                 if checkpoint_path:  # the user chose where the job resumes
                     return resume_start(checkpoint_path, **kwargs)
                 protocol.floor_step = decision.floor_step
@@ -110,9 +110,9 @@ class GroupLifecycle:
 
             return resume_where_the_job_is
 
-        patches.wrap(trainer._checkpoint_connector, "resume_start", make)
+        patches.wrap(lightning.checkpoint_connector(trainer), "resume_start", make)
 
-    def refuses_save(self, filepath: _PATH, step: int, is_writer: bool) -> bool:
+    def refuses_save(self, filepath: lightning.PathLike, step: int, is_writer: bool) -> bool:
         """Whether a save of a state at committed ``step`` must not be written, because the file's directory holds
         a newer one. The writer warns once and records the refusal."""
         refusal = self.record.refuse_save(filepath, step) if self._group_rank == 0 else None

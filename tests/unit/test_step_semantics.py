@@ -239,9 +239,9 @@ def test_model_checkpoint_names_do_not_depend_on_what_other_groups_already_wrote
     run = trainer(callbacks=[checkpoint], max_steps=2, enable_checkpointing=True)
     (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"written by another group")
     run.fit(Regressor(), loader())
-    assert checkpoint._enable_version_counter is False
-    assert Path(checkpoint.best_model_path).name == "epoch=0-step=2.ckpt"
+    assert Path(checkpoint.best_model_path).name == "epoch=0-step=2.ckpt"  # not -v1: the counter was off
     assert Path(checkpoint.last_model_path).name == "last.ckpt"
+    assert checkpoint._enable_version_counter is True  # the user's setting again once the fit is over
 
 
 def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():

@@ -164,3 +164,50 @@ def test_no_import_cycle_between_the_folders_of_the_package():
 def test_the_folder_cycle_check_finds_a_cycle():
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
+
+
+# Private attributes of Lightning objects, reached through these roots; read or changed only in
+# lightning_ft/lightning_internals.py (its docstring lists each one, why, and the public API that would replace it).
+LIGHTNING_OBJECTS = re.compile(
+    r"\b(trainer|fit_loop|epoch_loop|lightning_module|pl_module|callback|checkpoint_callback|lightning_call)\b"
+    r"|\bself\._module\b"  # FTStrategy's LightningModule
+)
+
+
+def lightning_private_uses(path: Path) -> list[str]:
+    """Each private Lightning name a file imports, and each private attribute it reads or sets on a Lightning
+    object (an expression through a trainer, its loops, a LightningModule or a callback)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "pytorch_lightning"):
+            found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base not in ("self", "cls") and LIGHTNING_OBJECTS.search(base):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_lightning_internals_are_touched_in_their_inventory_only():
+    outside = [
+        use
+        for name, path in modules("lightning_ft").items()
+        if name != "lightning_ft.lightning_internals"
+        for use in lightning_private_uses(path)
+    ]
+    assert not outside, "\n".join(outside)
+
+
+def test_the_lightning_guard_sees_a_private_import_and_a_private_attribute(tmp_path):
+    leak = tmp_path / "leak.py"
+    leak.write_text(
+        "from lightning.pytorch.loops.fetchers import _DataFetcher\n"
+        "steps = trainer.fit_loop.epoch_loop._batches_that_stepped\n"
+        "trainer._checkpoint_connector.resume_start()\n"
+        "self._own = 1\n"
+    )
+    assert [use.split(": ", 1)[1] for use in lightning_private_uses(leak)] == [
+        "import _DataFetcher",
+        "trainer.fit_loop.epoch_loop._batches_that_stepped",
+        "trainer._checkpoint_connector",
+    ]

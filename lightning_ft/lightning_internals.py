@@ -1,0 +1,144 @@
+"""Every private Lightning name lightning-ft uses, in one module: what it is, why it is used, and what public API would
+replace it. Lightning is pinned ``<2.7``; a Lightning upgrade is a diff here (``tests/unit/test_the_house.py`` keeps
+private Lightning names out of every other module).
+
+========================================== ============================================ ===============================
+Private name                               Why                                          Public API that would remove it
+========================================== ============================================ ===============================
+``fabric.utilities.types._PATH``           the type of a checkpoint path argument       a public path type alias
+``cloud_io._is_local_file_protocol``,      write checkpoints and sidecars atomically,   public fsspec helpers
+``_atomic_save``, ``_load``                on local disks and fsspec filesystems alike
+``fabric.utilities.data._set_sampler_epoch`` set the epoch on a replaced sampler as the a public helper
+                                           fit loop does at epoch start
+``loops.fetchers._DataFetcher``,           where the fit loop's data position lives     a data-position API on the fit
+``_DataLoaderIterDataFetcher``,            (fetched, done; exactly-once resume)         loop
+``FitLoop._data_fetcher``,
+``._combined_loader``
+``loops.progress._BatchProgress``          the batch counters a position is restored to the same
+``_TrainingEpochLoop._should_accumulate``  a batch without an optimizer step holds no   an ``accumulating`` property
+                                           vote (the consistency check)
+``._batches_that_stepped``                 the step Lightning logs at, aligned to the   a settable logging step
+                                           committed step after a heal
+``Trainer._logger_connector``              whether this batch's metrics are logged      ``trainer.should_log``
+``Trainer._checkpoint_connector``          wrap ``resume_start`` to choose the start    a resume hook on the strategy
+                                           checkpoint (:mod:`lightning_ft.start`)
+``trainer.call._call_callbacks_state_dict``  the callbacks' state in a heal's payload,    public callback-state helpers
+``_call_callbacks_load_state_dict``        as a checkpoint holds it
+``LightningModule._on_before_batch_transfer`` the user's batch hook, run where the       a public hook runner
+                                           exactly-once batch is checked
+``LightningModule._device_mesh``           FSDP2's group mesh, as ModelParallelStrategy a settable ``device_mesh``
+                                           sets it
+``ModelCheckpoint._enable_version_counter`` one file name per step across replica      the ``enable_version_counter``
+                                           groups                                       argument, settable
+``overrides.distributed._sync_module_states``, FSDP2 setup as Lightning's strategies do  public setup helpers
+``optimizer._optimizers_to_device``
+========================================== ============================================ ===============================
+
+The loop patches that replace Lightning methods are in :mod:`lightning_ft.loop_patches`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import _atomic_save as atomic_save
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol as is_local_file_protocol
+from lightning.fabric.utilities.cloud_io import _load as load_file
+from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.fabric.utilities.types import _PATH as PathLike
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.fetchers import _DataFetcher as DataFetcher
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher as DataLoaderIterDataFetcher
+from lightning.pytorch.loops.progress import _BatchProgress as BatchProgress
+from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
+from lightning.pytorch.trainer import call as lightning_call
+
+__all__ = [
+    "VERSION_COUNTER",
+    "BatchProgress",
+    "DataFetcher",
+    "DataLoaderIterDataFetcher",
+    "PathLike",
+    "atomic_save",
+    "batches_that_stepped",
+    "callbacks_state_dict",
+    "checkpoint_connector",
+    "combined_loader",
+    "data_fetcher",
+    "is_local_file_protocol",
+    "load_callbacks_state_dict",
+    "load_file",
+    "optimizers_to_device",
+    "run_on_before_batch_transfer",
+    "set_batches_that_stepped",
+    "set_device_mesh",
+    "set_sampler_epoch",
+    "should_accumulate",
+    "should_update_logs",
+    "sync_module_states",
+    "version_counter_on",
+]
+
+
+def should_accumulate(trainer: pl.Trainer) -> bool:
+    """Whether this training batch only accumulates gradients (no optimizer step)."""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def data_fetcher(trainer: pl.Trainer) -> Any:
+    """The fit loop's data fetcher (``None`` before the loop set it up)."""
+    return trainer.fit_loop._data_fetcher
+
+
+def combined_loader(trainer: pl.Trainer) -> Any:
+    """The fit loop's combined loader (``None`` before the loop set it up)."""
+    return trainer.fit_loop._combined_loader
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning logs this batch's metrics at."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def set_batches_that_stepped(trainer: pl.Trainer, steps: int) -> None:
+    trainer.fit_loop.epoch_loop._batches_that_stepped = steps
+
+
+def should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning logs this batch's metrics (its ``log_every_n_steps`` rule)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def checkpoint_connector(trainer: pl.Trainer) -> Any:
+    """The trainer's checkpoint connector, whose ``resume_start`` loads the start checkpoint."""
+    return trainer._checkpoint_connector
+
+
+def callbacks_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
+    """Every callback's state, keyed as a checkpoint keys it."""
+    state: dict[str, Any] = lightning_call._call_callbacks_state_dict(trainer)
+    return state
+
+
+def load_callbacks_state_dict(trainer: pl.Trainer, callbacks: dict[str, Any]) -> None:
+    lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": callbacks})
+
+
+def run_on_before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx: int) -> Any:
+    """The module's ``on_before_batch_transfer`` as Lightning runs it (through the trainer's hook runner)."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """Make ``mesh`` the module's ``device_mesh``, as Lightning's ModelParallelStrategy does."""
+    module._device_mesh = mesh
+
+
+VERSION_COUNTER = "_enable_version_counter"  # ModelCheckpoint's attribute (set through LoopPatches, undone after)
+
+
+def version_counter_on(callback: ModelCheckpoint) -> bool:
+    """Whether a ModelCheckpoint adds ``-v1`` to a file name that exists."""
+    return bool(getattr(callback, VERSION_COUNTER))
