@@ -133,7 +133,8 @@ def install_client(manager: Manager, client: Any) -> None:
 
 def diloco_fragments(diloco: Any) -> list[Any]:
     """The fragments of a ``torchft.local_sgd.DiLoCo``, in sync order (each holds its ``original_parameters``)."""
-    return list(diloco._fragments)
+    fragments: list[Any] = diloco._fragments
+    return fragments
 
 
 def fragment_outer_optimizer(fragment: Any) -> Optimizer:

@@ -115,12 +115,11 @@ class BoundedWaitsMixin:
         self._rendezvous_host, self._make_rendezvous_store = host, make_store
 
     def get_reconfigure_handle(self) -> str:  # torchft 0.3
-        if self._make_rendezvous_store is not None:
-            torchft_api.host_rendezvous_store(self, self._make_rendezvous_store)
-        handle: str = super().get_reconfigure_handle()  # type: ignore[misc]
-        if self._rendezvous_host is None:
+        if self._rendezvous_host is None or self._make_rendezvous_store is None:  # torchft's own choice
+            handle: str = super().get_reconfigure_handle()  # type: ignore[misc]
             return handle
-        return torchft_api.readdressed_handle(handle, self._rendezvous_host)
+        torchft_api.host_rendezvous_store(self, self._make_rendezvous_store)
+        return torchft_api.readdressed_handle(super().get_reconfigure_handle(), self._rendezvous_host)  # type: ignore[misc]
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:  # torchft 0.2
         quorum_id = kwargs.get("quorum_id", args[3] if len(args) > 3 else None)

@@ -21,6 +21,8 @@ from typing import Any
 import torchft.process_group
 from torchft.process_group import ProcessGroupWrapper
 
+from lightning_ft_job.addresses import url_host
+
 CONFIGURE_API: bool = callable(getattr(ProcessGroupWrapper, "configure", None))
 RECONFIGURE_API: bool = callable(getattr(ProcessGroupWrapper, "reconfigure", None)) and not CONFIGURE_API
 
@@ -61,7 +63,7 @@ def readdressed_handle(handle: str, host: str) -> str:
     ``socket.gethostname()``."""
     fields = json.loads(handle)
     port = str(fields["store"]).rpartition(":")[2]
-    fields["store"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    fields["store"] = f"{url_host(host)}:{port}"
     return json.dumps(fields)
 
 
