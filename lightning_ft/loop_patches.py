@@ -4,7 +4,8 @@ Lightning has no hook at these points, so a bound method (or an attribute) is sh
 the one object, for one fit: the classes stay Lightning's own, and a trainer that fits again starts clean. The
 strategy and the callbacks use the same mechanism, :class:`LoopPatches`:
 
-* :func:`gate_step_lr_schedulers`: step-interval LR schedulers advance only on a committed step;
+* :func:`settle_each_step`: each batch's step ends before any ``on_train_batch_end`` hook, and step-interval LR
+  schedulers advance only on a committed step;
 * :func:`keep_dataloader_checks_group_local`: Lightning's once-per-process "is the dataloader empty" reduction
   stays inside the group (a restarted group asks when its peers do not);
 * :func:`sync_metrics_across_groups`: torchmetrics objects sync over every participating replica;
@@ -28,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_ft import lightning_internals as lightning
 from lightning_ft.step.collectives import CrossGroupCollectives
-from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.step.owner import StepOwner
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -61,21 +62,25 @@ class LoopPatches:
         self._undo.clear()
 
 
-def gate_step_lr_schedulers(patches: LoopPatches, trainer: pl.Trainer, protocol: StepProtocol) -> None:
-    """Step-interval LR schedulers advance only on a committed step.
+def settle_each_step(patches: LoopPatches, trainer: pl.Trainer, owner: StepOwner) -> None:
+    """End each batch's step (:meth:`StepOwner.end`) and let step-interval LR schedulers advance only on a commit.
 
-    Lightning steps them after every optimizer step, committed or not. The gate sits on the epoch loop's own
-    scheduler update, so the scheduler objects stay the user's own (``self.lr_schedulers()`` and checkpoints see the
-    real thing).
+    Both sit on the epoch loop's post-batch scheduler update (``update_lr_schedulers("step", False)``): the one point
+    after a batch's forward, backward and optimizer step and before any ``on_train_batch_end`` hook, whatever the
+    order of the trainer's callbacks. Lightning steps schedulers after every optimizer step, committed or not; the
+    gate keeps the scheduler objects the user's own (``self.lr_schedulers()`` and checkpoints see the real thing).
+    The update after validation (plateau schedulers, ``update_plateau_schedulers=True``) is gated only.
     """
 
     def make(update: Callable[[str, bool], None]) -> Callable[[str, bool], None]:
-        def update_if_committed(interval: str, update_plateau_schedulers: bool) -> None:
-            if interval == "step" and protocol.last_step_committed is False:
+        def settle_then_update(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and not update_plateau_schedulers:
+                owner.end(trainer)
+            if interval == "step" and not owner.advances_schedulers():
                 return
             update(interval, update_plateau_schedulers)
 
-        return update_if_committed
+        return settle_then_update
 
     patches.wrap(trainer.fit_loop.epoch_loop, "update_lr_schedulers", make)
 

@@ -52,7 +52,8 @@ from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
 from lightning_ft.step.modes import check_optimizers
-from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
+from lightning_ft.step.owner import StepOwner
+from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 from lightning_ft_job.environment import torchrun_restart_count
 
@@ -186,6 +187,7 @@ class FTStrategy(ShardedGroupHooks):
         self.data_mode = configuration.data_mode
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
+        self._step: StepOwner | None = None
         self._telemetry: FTTelemetry | None = None
         self._collectives: CrossGroupCollectives | None = None
         self._patches = loop_patches.LoopPatches()
@@ -230,6 +232,16 @@ class FTStrategy(ShardedGroupHooks):
         return self._protocol
 
     @property
+    def step_owner(self) -> StepOwner:
+        """The one owner of each optimizer step (``algorithm="ddp"``, while fitting): see
+        :mod:`lightning_ft.step.owner`."""
+        if self._step is None:
+            raise RuntimeError(
+                "FTStrategy.step_owner is only available while fitting with algorithm='ddp', after setup_environment()."
+            )
+        return self._step
+
+    @property
     def telemetry(self) -> FTTelemetry:
         """This group's fault-tolerance figures (quorum waits, heals, votes)."""
         if self._telemetry is None:
@@ -263,6 +275,13 @@ class FTStrategy(ShardedGroupHooks):
     def start_quorum(self) -> None:
         """Open the quorum for the current optimizer step (no-op if already open)."""
         self.step_protocol.open_quorum()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Lightning calls this after every callback's ``on_train_batch_start``: the step's quorum is open by the
+        forward pass whatever callbacks the trainer has (``QuorumCallback`` opens it earlier, before the others)."""
+        if self._step is not None:
+            self._step.begin(self._module.trainer)
 
     # ------------------------------------------------------------------ ranks and data
     @override
@@ -310,7 +329,8 @@ class FTStrategy(ShardedGroupHooks):
         where the batch is checked against the samples the quorum assigns."""
         trainer = self._module.trainer
         if self._exactly_once.data is not None and trainer.training:
-            batch = self._exactly_once.batch_for_step(batch, trainer, self.step_protocol, self.manager, dataloader_idx)
+            self.step_owner.begin(trainer)
+            batch = self._exactly_once.batch_for_step(batch, trainer, self.manager, dataloader_idx)
         return super().batch_to_device(batch, device=device, dataloader_idx=dataloader_idx)
 
     # ------------------------------------------------------------------ setup
@@ -336,6 +356,12 @@ class FTStrategy(ShardedGroupHooks):
         self._telemetry = FTTelemetry(self._handle.manager, self._handle.transport, self.num_replica_groups)
         if fitting and self._lifecycle is not None:
             self._protocol = StepProtocol(self._handle.manager, self._telemetry, self._model_buffers())
+            if not self.algorithm.semi_sync:
+                self._step = StepOwner(
+                    self._protocol,
+                    skip_non_finite=self.settings.skip_non_finite_steps,
+                    sharded=self.data_parallel.sharded,
+                )
             add_default_callbacks(
                 trainer, semi_sync=self.algorithm.semi_sync, exactly_once=self.data_mode == "exactly_once"
             )
@@ -391,7 +417,7 @@ class FTStrategy(ShardedGroupHooks):
             if self.algorithm.semi_sync:  # LR schedulers follow inner steps, which always happen
                 warn_unsynced_tail(self.algorithm, trainer.max_steps)
             else:
-                loop_patches.gate_step_lr_schedulers(self._patches, trainer, self.step_protocol)
+                loop_patches.settle_each_step(self._patches, trainer, self.step_owner)
             loop_patches.name_checkpoints_alike(self._patches, trainer)
             loop_patches.summarize_the_model_once(self._patches, trainer)
             if self.data_mode == "exactly_once":
@@ -441,6 +467,13 @@ class FTStrategy(ShardedGroupHooks):
 
     # ------------------------------------------------------------------ the step
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._step is not None:
+            self._step.saw_output(output)
+        return output
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -448,35 +481,13 @@ class FTStrategy(ShardedGroupHooks):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the closure through the precision plugin, then step only if the step commits.
-
-        GradScaler may skip ``optimizer.step()`` on inf/NaN gradients; the vote is still taken, because every rank
-        of the group takes part in it exactly once per step.
-        """
-        if self.algorithm.semi_sync:  # an inner step: group-local, always taken; the syncs commit or not
+        """Semi-synchronously an inner step, group-local and always taken (the syncs commit or not); otherwise the
+        step owner's: the closure runs, the groups vote, the optimizer steps only on a commit."""
+        if self.algorithm.semi_sync:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        protocol, comm_state = self.step_protocol, self._comm_state
         model = model or self._module
         assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
-        gated = CommitGatedOptimizer(
-            optimizer,
-            protocol,
-            skip_non_finite=self.settings.skip_non_finite_steps,
-            gradient_check=comm_state.take_gradient_check if comm_state is not None else None,
-        )
-        try:
-            output = self.precision_plugin.optimizer_step(
-                gated,
-                model=model,
-                closure=closure,
-                **kwargs,
-            )
-        finally:
-            if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves a check
-                comm_state.take_gradient_check()
-        if not protocol.decided:
-            protocol.commit()
-        return output
+        return self.step_owner.step(optimizer, closure, model, self.precision_plugin, self._comm_state, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -538,4 +549,5 @@ class FTStrategy(ShardedGroupHooks):
             self._handle.shutdown()
             self._handle = None
             self._protocol = None
+            self._step = None
             self._telemetry = None

@@ -17,15 +17,16 @@ from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.settings import FTSettings
 from lightning_ft.step.collectives import CrossGroupCollectives
+from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
 
 T = TypeVar("T")
 
 
 class FaultTolerantStrategy(Protocol):
-    """The attributes of a strategy that the lightning-ft callbacks read. ``manager``, ``step_protocol``,
-    ``collectives`` and ``telemetry`` exist while fitting (the first and last two also while validating and
-    testing) and raise ``RuntimeError`` otherwise."""
+    """The attributes of a strategy that the lightning-ft callbacks read. ``manager``, ``collectives`` and
+    ``telemetry`` exist while fitting, validating and testing; ``step_protocol`` while fitting, and ``step_owner``
+    while fitting with per-step training. Each raises ``RuntimeError`` outside those times."""
 
     settings: FTSettings
     algorithm: AlgorithmSettings
@@ -35,6 +36,9 @@ class FaultTolerantStrategy(Protocol):
 
     @property
     def step_protocol(self) -> StepProtocol: ...
+
+    @property
+    def step_owner(self) -> StepOwner: ...
 
     @property
     def collectives(self) -> CrossGroupCollectives: ...
@@ -64,6 +68,11 @@ def ft_manager(trainer: pl.Trainer) -> Manager:
 
 def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
     return _required_part(trainer, "step_protocol", StepProtocol)
+
+
+def ft_step_owner(trainer: pl.Trainer) -> StepOwner:
+    """The owner of each optimizer step (per-step training; semi-synchronous training has syncs instead)."""
+    return _required_part(trainer, "step_owner", StepOwner)
 
 
 def has_step_protocol(trainer: pl.Trainer) -> bool:

@@ -50,8 +50,9 @@ class DataPositionCallback(Callback):
     batch (see :func:`~lightning_ft.data.position.resume_fetcher`), from this rank's own ``StatefulDataLoader``
     state when the strategy found one beside the checkpoint, else by counting.
 
-    Must run before :class:`~lightning_ft.callbacks.QuorumCallback`, which opens the step's quorum; FTStrategy puts
-    it first.
+    The step's starting position is taken by an observer of the step protocol
+    (:meth:`~lightning_ft.step.protocol.StepProtocol.on_step_start`), just before whichever code opens the step's
+    quorum, so this callback may sit anywhere in ``Trainer(callbacks=[...])``.
     """
 
     def __init__(self) -> None:
@@ -65,25 +66,14 @@ class DataPositionCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_runs_before_quorum(trainer)
         self._step_start = self._pending = self._resume = None
+        ft_step_protocol(trainer).on_step_start(lambda: self._record_step_start(trainer))
         ft_manager(trainer).register_state_dict_fn(
             DATA_POSITION_KEY,
             lambda state: self._load_peer_position(trainer, state),
             lambda: self._step_start_position(trainer).as_dict(),
         )
         self._wrap_epoch_start(trainer)
-
-    def _check_runs_before_quorum(self, trainer: pl.Trainer) -> None:
-        from lightning_ft.callbacks.quorum import QuorumCallback
-
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        quorum = next((index for index, cb in enumerate(callbacks) if isinstance(cb, QuorumCallback)), None)
-        if quorum is not None and callbacks.index(self) > quorum:
-            raise RuntimeError(
-                "lightning-ft: DataPositionCallback must come before QuorumCallback in Trainer(callbacks=[...]): it "
-                "records each optimizer step's starting position before the step's quorum opens."
-            )
 
     def _wrap_epoch_start(self, trainer: pl.Trainer) -> None:
         """Run :meth:`_after_epoch_start` right after the epoch loop's ``on_run_start``: the one point between
@@ -133,12 +123,9 @@ class DataPositionCallback(Callback):
         )
 
     # ------------------------------------------------------------------ heal
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not ft_step_protocol(trainer).quorum_open:  # this batch begins an optimizer step
-            self._step_start = LoopPosition.of(trainer)
+    def _record_step_start(self, trainer: pl.Trainer) -> None:
+        """Called as a step's (or sync's) quorum is about to open: where this group's current optimizer step began."""
+        self._step_start = LoopPosition.of(trainer)
 
     def _step_start_position(self, trainer: pl.Trainer) -> LoopPosition:
         """This group's position when its current optimizer step began. Read on a live peer's quorum thread too.

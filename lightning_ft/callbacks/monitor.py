@@ -4,14 +4,13 @@ and the loggers' pointer to the run's event log."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_ft import lightning_internals as lightning
@@ -26,14 +25,6 @@ from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
 
 PREFIX = "ft/"
-
-
-def loss_of(outputs: Any) -> float | None:
-    """The training loss of a batch from what ``training_step`` returned (``{"loss": ...}`` or a scalar tensor)."""
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if isinstance(loss, Tensor) and loss.numel() == 1:
-        return float(loss.detach())
-    return None
 
 
 class FaultToleranceMonitor(Callback):

@@ -1,4 +1,4 @@
-"""Open the quorum at optimizer-step boundaries; keep Lightning's counters on committed steps."""
+"""Open each optimizer step's quorum before the other callbacks' batch start, and epoch ends' sync sections."""
 
 from __future__ import annotations
 
@@ -8,59 +8,30 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_collectives, ft_step_protocol
-from lightning_ft.callbacks.monitor import loss_of
-from lightning_ft.hsdp.shards import holds_shards
-from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
-from lightning_ft_job import events
+from lightning_ft.callbacks._access import ft_collectives, ft_step_owner
 
 
 class QuorumCallback(Callback):
-    """Starts each optimizer step's torchft quorum before the forward pass, once per accumulation window.
+    """The Lightning side of the step owner (:class:`lightning_ft.step.owner.StepOwner`) at batch start and epoch end.
 
-    Starting it at batch start lets an asynchronous quorum overlap the forward pass, and lets a synchronous one heal a
-    behind replica before it computes anything. At batch end, ``trainer.global_step`` is set to the Manager's
-    committed step count, so ``max_steps``, checkpoint names and loggers count committed steps only. At an epoch end
-    it opens a sync section for cross-group reductions (:mod:`lightning_ft.step.collectives`). After the job's first
-    committed step, groups of several processes re-align their ranks (see
-    :func:`~lightning_ft.state.broadcast_state_in_group`).
+    **Batch start.** Asks the step owner to begin the step: its quorum opens once per accumulation window, before the
+    forward pass (an asynchronous quorum then overlaps it; a synchronous one heals a behind group before it computes
+    anything), and ``trainer.global_step`` is put on the Manager's committed step count, so ``max_steps``, checkpoint
+    names and loggers count committed steps only. FTStrategy puts this callback before the others, so that their
+    batch-start hooks see the step's quorum; without it, the strategy's own batch-start hook opens the quorum after
+    them. The step itself (vote, commit, close, counters) is the owner's, whatever the order of the callbacks.
+
+    **Epoch end.** Opens a sync section for cross-group reductions (:mod:`lightning_ft.step.collectives`): every
+    group ends the epoch at the same committed step, so epoch-level metrics and the decisions of ``EarlyStopping`` and
+    ``ModelCheckpoint`` that follow may reduce across groups.
     """
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        protocol = ft_step_protocol(trainer)
-        protocol.open_quorum()
-        committed = protocol.manager.current_step()
-        align_step_counters(trainer, committed)
-        align_logger_step(trainer, committed)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        protocol = ft_step_protocol(trainer)
-        committed = protocol.manager.current_step()
-        if protocol.decided:
-            if events.enabled():
-                error = protocol.manager.errored()
-                events.emit(
-                    "step",
-                    step=committed,
-                    committed=protocol.last_step_committed,
-                    participants=protocol.manager.num_participants(),
-                    loss=protocol.step_loss if protocol.step_loss is not None else loss_of(outputs),
-                    **({"error": repr(error.original_exception)} if error is not None else {}),
-                )
-            if protocol.last_step_committed and committed == 1 and trainer.world_size > 1 and not holds_shards(trainer):
-                # (With FSDP each rank holds a different shard; rank r of every group healed from the same group.)
-                broadcast_state_in_group(trainer)
-        protocol.close()
-        align_step_counters(trainer, committed)
+        ft_step_owner(trainer).begin(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every group ends the epoch at the same committed step: epoch-level metrics and the decisions of
-        ``EarlyStopping``/``ModelCheckpoint`` that follow may reduce across groups."""
         ft_collectives(trainer).open_section()

@@ -153,13 +153,13 @@ class SyncCallback(Callback):
         """Start a DiLoCo fragment's allreduce and let the next inner steps train while it is in flight."""
         assert self._diloco is not None
         self._in_flight = self._diloco.prepare()
-        ft_step_protocol(trainer).sync_in_flight = True
+        ft_step_protocol(trainer).begin_overlapped_sync()
 
     def _finish(self, trainer: pl.Trainer) -> None:
         """Average (or take the outer step), vote, close the quorum."""
         protocol = ft_step_protocol(trainer)
         manager = protocol.manager
-        protocol.sync_in_flight = False
+        protocol.end_overlapped_sync()
         try:
             if self._diloco is None:
                 committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))

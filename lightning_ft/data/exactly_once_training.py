@@ -17,7 +17,6 @@ from lightning_ft.data.placement import ExactlyOnceData, StepPlacement, exactly_
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft.manager import FTManager
 from lightning_ft.settings import FTConfigError, FTSettings
-from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 
 
@@ -71,13 +70,10 @@ class ExactlyOnceTraining:
         )
         return loader
 
-    def batch_for_step(
-        self, batch: Any, trainer: pl.Trainer, protocol: StepProtocol, manager: FTManager, dataloader_idx: int
-    ) -> Any:
-        """Open the step's (synchronous) quorum: a behind group heals here. Then check the batch against the samples
-        the quorum assigns, and refetch it if the loader's prediction was wrong."""
+    def batch_for_step(self, batch: Any, trainer: pl.Trainer, manager: FTManager, dataloader_idx: int) -> Any:
+        """Check a training batch against the samples the step's quorum assigns (opened before, by the step owner:
+        a behind group healed there), and refetch it if the loader's prediction was wrong."""
         assert self.data is not None
-        protocol.open_quorum()
         placement = StepPlacement(
             cursor=manager.batches_committed(),
             participants=manager.num_participants(),

@@ -94,8 +94,7 @@ class GroupLifecycle:
             def resume_where_the_job_is(checkpoint_path: lightning.PathLike | None = None, **kwargs: Any) -> None:
                 if checkpoint_path:  # the user chose where the job resumes
                     return resume_start(checkpoint_path, **kwargs)
-                protocol.floor_step = decision.floor_step
-                protocol.floor_source = decision.floor_source or protocol.floor_source
+                protocol.require_floor(decision.floor_step, decision.floor_source)
                 if decision.resume_from is not None:
                     log.warning(
                         "lightning-ft: no live replica group is ahead of the job's newest checkpoint; group %d "

@@ -67,14 +67,15 @@ class StepProtocol:
         self.buffers = buffers
         self._quorum_open = False
         self._decision: bool | None = None
-        self.last_step_committed: bool | None = None
-        self.quorums_opened = 0
-        self.sync_in_flight = False
-        self.non_finite_skips = 0
+        self._last_committed: bool | None = None
+        self._quorums_opened = 0
+        self._sync_in_flight = False
+        self._non_finite_skips = 0
+        self._step_start_observers: list[Callable[[], None]] = []
         # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
-        self.floor_step: int | None = None
-        self.floor_source = "the job's newest checkpoint"
+        self._floor_step: int | None = None
+        self._floor_source = "the job's newest checkpoint"
         # What the open step's vote reads from the device after torchft's sync (read_at_vote), and the loss read.
         self._finite_at_vote: Callable[[], bool] | None = None
         self._loss_at_vote: Tensor | None = None
@@ -95,7 +96,56 @@ class StepProtocol:
 
     @property
     def decided(self) -> bool:
+        """Whether the open step's vote has been taken."""
         return self._decision is not None
+
+    @property
+    def last_step_committed(self) -> bool | None:
+        """The latest vote's outcome (``None`` before the first), kept after the step closes: what the scheduler gate
+        and the callbacks read at the batch's end."""
+        return self._last_committed
+
+    @property
+    def quorums_opened(self) -> int:
+        """Quorums this process opened for steps or syncs (``0`` until its first: where a restarted group joins)."""
+        return self._quorums_opened
+
+    @property
+    def non_finite_skips(self) -> int:
+        """Steps rejected because their averaged gradient was not finite."""
+        return self._non_finite_skips
+
+    @property
+    def sync_in_flight(self) -> bool:
+        """Whether a streaming DiLoCo sync's allreduce overlaps the inner steps now running (see :attr:`in_step`)."""
+        return self._sync_in_flight
+
+    @property
+    def floor_step(self) -> int | None:
+        """The step this process's first quorum must reach (:meth:`require_floor`), until a quorum reached it."""
+        return self._floor_step
+
+    def require_floor(self, step: int | None, source: str | None = None) -> None:
+        """Make this process's first quorum stop the group (:class:`JobBehindCheckpointError`) if its groups are
+        behind ``step``, a step the job had already reached; ``source`` says where that step is from, for the
+        message. Set by :mod:`lightning_ft.start.lifecycle` before the fit's first batch."""
+        self._floor_step = step
+        if source:
+            self._floor_source = source
+
+    def on_step_start(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` each time a step (or sync) is about to open its quorum, before anything of the step
+        happens: where a group's loop position at the start of a step is taken
+        (:class:`~lightning_ft.callbacks.DataPositionCallback`), whichever code opens the quorum."""
+        self._step_start_observers.append(observer)
+
+    def begin_overlapped_sync(self) -> None:
+        """A streaming DiLoCo sync's allreduce is in flight: its quorum stays open while the next inner steps, the
+        group's own work, train (:attr:`in_step` is ``False`` until :meth:`end_overlapped_sync`)."""
+        self._sync_in_flight = True
+
+    def end_overlapped_sync(self) -> None:
+        self._sync_in_flight = False
 
     def open_quorum(self) -> None:
         """Start this step's quorum unless one is already open (accumulation micro-batches share it).
@@ -104,7 +154,9 @@ class StepProtocol:
         """
         if self._quorum_open:
             return
-        if not self.quorums_opened:  # this process's first quorum: where a restarted or late group asks to join
+        for observer in self._step_start_observers:
+            observer()
+        if not self._quorums_opened:  # this process's first quorum: where a restarted or late group asks to join
             events.emit("joining", step=self.manager.current_step())
         if self.telemetry is not None:
             self.telemetry.step_started()
@@ -112,11 +164,11 @@ class StepProtocol:
             self.buffers.begin_step()
         self.manager.start_quorum()
         self._quorum_open = True
-        self.quorums_opened += 1
+        self._quorums_opened += 1
         self._decision = None
         self._finite_at_vote, self._loss_at_vote, self.step_loss = None, None, None
-        if self.floor_step is not None:
-            self._check_floor(self.floor_step)
+        if self._floor_step is not None:
+            self._check_floor(self._floor_step)
 
     def _check_floor(self, floor_step: int) -> None:
         """Stop rather than take the job back: this quorum's groups (healed to the highest step among them) must be
@@ -125,14 +177,14 @@ class StepProtocol:
         self.manager.wait_quorum()
         step = self.manager.current_step()
         if step >= floor_step:
-            self.floor_step = None
+            self._floor_step = None
             return
         if self.manager.errored() is not None:  # the heal failed; this step will not commit, the next one checks
             return
         events.emit("behind_checkpoint", step=step, checkpoint_step=floor_step)
         raise JobBehindCheckpointError(
             f"lightning-ft: the replica groups of this quorum are at committed step {step}, behind step {floor_step} "
-            f"that the job had already reached ({self.floor_source}): the live peer this group expected to heal from "
+            f"that the job had already reached ({self._floor_source}): the live peer this group expected to heal from "
             f"is gone. Stopping so that this group's restart resumes the job from its newest durable state (or stops "
             f"if it has none) instead of training the job from an older state."
         )
@@ -236,7 +288,7 @@ class StepProtocol:
         """Make this group vote against committing the open step, for a reason every replica shares (an averaged
         gradient that is not finite): every group then skips the step alike. Counted and logged."""
         self.require_quorum()
-        self.non_finite_skips += 1
+        self._non_finite_skips += 1
         self.manager.report_error(reason)
         events.emit("step_rejected", step=self.manager.current_step(), reason=str(reason))
         log.warning("%s", reason)
@@ -248,7 +300,7 @@ class StepProtocol:
 
     def _record(self, decision: bool) -> None:
         self._decision = decision
-        self.last_step_committed = decision
+        self._last_committed = decision
         if self.telemetry is not None:
             self.telemetry.step_voted(decision)
 
@@ -257,7 +309,7 @@ class StepProtocol:
         where the others are), nothing was exchanged, nothing is to commit."""
         self._quorum_open = False
         self._decision = None
-        self.sync_in_flight = False
+        self._sync_in_flight = False
 
     def close(self) -> None:
         """End the step whose decision was taken; the next batch opens a new quorum.

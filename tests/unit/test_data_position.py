@@ -378,7 +378,26 @@ def test_a_resumed_fit_reads_what_an_uninterrupted_one_reads(tmp_path, uninterru
     assert resumed == {step: uninterrupted[kind][step] for step in range(15, 25)}
 
 
-def test_the_data_position_callback_must_come_before_the_quorum_callback():
-    run = trainer(strategy=FTStrategy(), callbacks=[QuorumCallback(), DataPositionCallback()], max_steps=1)
-    with pytest.raises(RuntimeError, match="must come before QuorumCallback"):
-        run.fit(RecordIds(), train_loader("plain"))
+class StepStarts(pl.Callback):
+    """At each batch end: the position the data callback holds as its optimizer step's start."""
+
+    def __init__(self, data_position: DataPositionCallback) -> None:
+        self.data_position = data_position
+        self.starts: list[int | None] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        start = self.data_position._step_start
+        self.starts.append(None if start is None else start.total_ready)
+
+
+@pytest.mark.parametrize("quorum_first", [True, False], ids=["quorum-callback-first", "data-callback-first"])
+def test_each_steps_start_is_recorded_whatever_the_callback_order(quorum_first):
+    """The step's starting position is what a heal sends; it is taken as the step's quorum opens, so a
+    ``QuorumCallback`` placed before the data callback (which once had to come first, and recorded nothing
+    otherwise) still leaves every step's first micro-batch on record. With accumulation 2, batches 1-2 are step 1."""
+    data_position = DataPositionCallback()
+    starts = StepStarts(data_position)
+    callbacks = [QuorumCallback(), data_position] if quorum_first else [data_position, QuorumCallback()]
+    run = trainer(strategy=FTStrategy(), callbacks=[*callbacks, starts], max_steps=3, accumulate_grad_batches=2)
+    run.fit(RecordIds(), train_loader("plain"))
+    assert starts.starts == [1, 1, 3, 3, 5, 5]

@@ -286,7 +286,7 @@ class FakeManager:
 
 def test_a_first_quorum_behind_the_checkpoint_stops_the_group():
     protocol = StepProtocol(FakeManager(step_after_quorum=0))
-    protocol.floor_step = 20
+    protocol.require_floor(20)
     with pytest.raises(
         JobBehindCheckpointError, match="at committed step 0, behind step 20 that the job had already reached"
     ):
@@ -295,11 +295,11 @@ def test_a_first_quorum_behind_the_checkpoint_stops_the_group():
 
 def test_a_first_quorum_at_the_checkpoint_clears_the_floor_and_a_failed_heal_retries():
     protocol = StepProtocol(FakeManager(step_after_quorum=23))
-    protocol.floor_step = 20
+    protocol.require_floor(20)
     protocol.open_quorum()
     assert protocol.floor_step is None
     failed = StepProtocol(FakeManager(step_after_quorum=0, errored=True))
-    failed.floor_step = 20
+    failed.require_floor(20)
     failed.open_quorum()  # the step will not commit; the next quorum checks again
     assert failed.floor_step == 20
 

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from support import Regressor, assert_tree_equal, loader, trainer
 
 from lightning_ft import FTStrategy
+from lightning_ft.callbacks import QuorumCallback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,10 +101,16 @@ class RejectOneStep(pl.Callback):
             self.after = self.snapshot(trainer)
 
 
-def test_uncommitted_step_changes_nothing_learning_rate_included():
+@pytest.mark.parametrize("own_quorum_callback", [False, True], ids=["default-callbacks", "quorum-callback-last"])
+def test_uncommitted_step_changes_nothing_learning_rate_included(own_quorum_callback):
+    """With the user's own ``QuorumCallback`` last in the list, the other callbacks' batch-end hooks run before it:
+    the step is still closed and ``global_step`` on the committed count there (the step owner ends it first)."""
     reject = RejectOneStep(index=3)
-    run = trainer(callbacks=[reject], max_steps=6)
+    counter = CountCalls()
+    callbacks = [reject, counter, QuorumCallback()] if own_quorum_callback else [reject, counter]
+    run = trainer(callbacks=callbacks, max_steps=6)
     run.fit(Regressor(), loader())
+    assert counter.step_pairs and all(global_step == committed for global_step, committed in counter.step_pairs)
 
     assert reject.before and reject.after
     assert reject.after["global_step"] == reject.before["global_step"] == 3
