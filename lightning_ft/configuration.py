@@ -1,9 +1,10 @@
 """FTStrategy's constructor arguments, resolved once: the torchft settings, the algorithm, the data mode and the
 data parallelism inside a group, each derived value stored in one place.
 
-The order matters for the defaults: ``use_async_quorum`` is ``True`` only for ``algorithm="ddp"`` with sharded data
-and DDP inside the group; exactly-once data, the semi-synchronous algorithms and FSDP each need the quorum before
-the forward pass, so each turns the default off and refuses an explicit ``True`` with a message naming both settings.
+Every argument arrives by name (:func:`resolve_configuration`), and every default that depends on other settings is
+decided here, once: ``use_async_quorum`` (:func:`async_quorum_default`). The modules of each concept
+(:mod:`lightning_ft.settings`, :mod:`lightning_ft.algorithms`, :mod:`lightning_ft.data.placement`,
+:mod:`lightning_ft.hsdp.data_parallel`) validate their own settings against the resolved values.
 """
 
 from __future__ import annotations
@@ -12,25 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ft.algorithms import AlgorithmSettings, resolve_algorithm
-from lightning_ft.data.placement import resolve_data_mode
+from lightning_ft.algorithms.fragments import FragmentSpec
+from lightning_ft.algorithms.outer_optimizer import OuterOptimizerSpec
+from lightning_ft.data.placement import check_data_mode
 from lightning_ft.hsdp.data_parallel import DataParallelSettings, resolve_data_parallel
-from lightning_ft.settings import FTConfigError, FTSettings, resolve_settings
+from lightning_ft.settings import (
+    AlgorithmName,
+    BufferSyncName,
+    DataModeName,
+    DataParallelName,
+    FTConfigError,
+    FTSettings,
+    ProcessGroupName,
+    TransportName,
+    WorldSizeModeName,
+    resolve_settings,
+)
 
-_FSDP_ARGUMENTS = (
-    "fsdp_wrap",
-    "fsdp_min_params",
-    "fsdp_mixed_precision",
-    "fsdp_cpu_offload",
-    "fsdp_reshard_after_forward",
-)
-_SEMI_SYNC_ARGUMENTS = (
-    "sync_every",
-    "outer_optimizer",
-    "fragments",
-    "fragment_sync_delay",
-    "fragment_update_alpha",
-    "quantize",
-)
 # DDP settings that FTStrategy replaces with its own cross-group comm hook.
 _COMM_HOOK_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -42,54 +41,118 @@ class StrategyConfiguration:
     settings: FTSettings
     algorithm: AlgorithmSettings
     data_parallel: DataParallelSettings
-    data_mode: str
+    data_mode: DataModeName
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def async_quorum_default(*, algorithm: str, data_mode: str, data_parallel: str) -> bool:
+    """``use_async_quorum`` when it is not given: ``True`` only for per-step training (``algorithm="ddp"``) with
+    sharded data and DDP inside the group. The others need the quorum before the forward pass: exactly-once data
+    (a step's samples depend on its quorum), the semi-synchronous algorithms (a restarted group heals before the
+    sync it joins) and FSDP2 (it reshards parameters in the forward pass, which an asynchronous heal would read).
+    Each of those refuses an explicit ``True`` with a message naming both settings."""
+    return algorithm == "ddp" and data_mode == "sharded" and data_parallel == "ddp"
 
 
 def resolve_configuration(
     *,
-    data_mode: str,
-    algorithm: str,
+    replica_group_id: int | None,
+    num_replica_groups: int | None,
+    lighthouse: str | None,
+    min_replica_size: int,
     use_async_quorum: bool | None,
-    data_parallel: str,
-    find_unused_parameters: Any,
+    timeout: float,
+    quorum_timeout: float,
+    connect_timeout: float,
+    init_sync: bool,
+    max_retries: int | None,
+    process_group: ProcessGroupName,
+    checkpoint_transport: TransportName,
+    hostname: str | None,
+    interface: str | None,
+    replica_id_prefix: str,
+    skip_non_finite_steps: bool,
+    buffer_sync: BufferSyncName,
+    lighthouse_outage_timeout: float | None,
+    start_timeout: float | None,
+    world_size_mode: WorldSizeModeName,
+    data_mode: DataModeName,
+    algorithm: AlgorithmName,
+    sync_every: int | None,
+    outer_optimizer: OuterOptimizerSpec,
+    fragments: FragmentSpec | None,
+    fragment_sync_delay: int | None,
+    fragment_update_alpha: float | None,
+    quantize: bool,
+    data_parallel: DataParallelName,
+    fsdp_wrap: list[str] | None,
+    fsdp_min_params: int | None,
+    fsdp_mixed_precision: dict[str, Any] | None,
+    fsdp_cpu_offload: bool,
+    fsdp_reshard_after_forward: bool | None,
     gradient_as_bucket_view: bool,
+    find_unused_parameters: Any,
     ddp_kwargs: dict[str, Any],
-    **arguments: Any,
 ) -> StrategyConfiguration:
     """Validate every setting against the others. Raises :class:`FTConfigError` naming the setting and the fix.
 
-    Args:
-        ddp_kwargs: FTStrategy's ``**kwargs``, for ``DDPStrategy`` and torch's DDP.
-        arguments: The other FTStrategy arguments: the ``fsdp_*`` ones, the semi-synchronous ones (``sync_every``,
-            ``outer_optimizer``, ``fragment*``, ``quantize``) and those of
-            :func:`~lightning_ft.settings.resolve_settings`.
+    Args: FTStrategy's, by the same names (``docs/configuration.md``); ``ddp_kwargs`` are its ``**kwargs``, for
+    ``DDPStrategy`` and torch's DDP.
     """
-    fsdp = {name: arguments.pop(name) for name in _FSDP_ARGUMENTS}
-    semi_sync = {name: arguments.pop(name) for name in _SEMI_SYNC_ARGUMENTS}
-    use_async_quorum = resolve_data_mode(data_mode, algorithm, use_async_quorum)
+    if use_async_quorum is None:
+        use_async_quorum = async_quorum_default(algorithm=algorithm, data_mode=data_mode, data_parallel=data_parallel)
+    check_data_mode(data_mode, algorithm, use_async_quorum)
     parallel = resolve_data_parallel(
         data_parallel=data_parallel,
         algorithm=algorithm,
         use_async_quorum=use_async_quorum,
+        fsdp_wrap=fsdp_wrap,
+        fsdp_min_params=fsdp_min_params,
+        fsdp_mixed_precision=fsdp_mixed_precision,
+        fsdp_cpu_offload=fsdp_cpu_offload,
+        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
         ddp_kwargs=ddp_kwargs,
-        **fsdp,
     )
     ddp_kwargs = dict(ddp_kwargs)
-    if parallel.sharded:
-        use_async_quorum = False  # FSDP2 reshards parameters in the forward pass; an async quorum would read them
-    else:
+    if not parallel.sharded:
         _check_ddp_kwargs(find_unused_parameters, ddp_kwargs)
         ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
     # With False the DDP hook pins the bucket layout before the first step (step.gradient_hooks.pin_bucket_layout).
     ddp_kwargs["find_unused_parameters"] = find_unused_parameters is not False or parallel.sharded
-    chosen, async_quorum = resolve_algorithm(algorithm=algorithm, use_async_quorum=use_async_quorum, **semi_sync)
+    chosen = resolve_algorithm(
+        algorithm=algorithm,
+        use_async_quorum=use_async_quorum,
+        sync_every=sync_every,
+        outer_optimizer=outer_optimizer,
+        fragments=fragments,
+        fragment_sync_delay=fragment_sync_delay,
+        fragment_update_alpha=fragment_update_alpha,
+        quantize=quantize,
+    )
+    settings = resolve_settings(
+        replica_group_id=replica_group_id,
+        num_replica_groups=num_replica_groups,
+        lighthouse=lighthouse,
+        min_replica_size=min_replica_size,
+        use_async_quorum=use_async_quorum,
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=connect_timeout,
+        init_sync=init_sync,
+        max_retries=max_retries,
+        process_group=process_group,
+        checkpoint_transport=checkpoint_transport,
+        hostname=hostname,
+        interface=interface,
+        replica_id_prefix=replica_id_prefix,
+        skip_non_finite_steps=skip_non_finite_steps,
+        buffer_sync=buffer_sync,
+        lighthouse_outage_timeout=lighthouse_outage_timeout,
+        start_timeout=start_timeout,
+        world_size_mode=world_size_mode,
+    )
     return StrategyConfiguration(
-        settings=resolve_settings(use_async_quorum=async_quorum, **arguments),
-        algorithm=chosen,
-        data_parallel=parallel,
-        data_mode=data_mode,
-        ddp_kwargs=ddp_kwargs,
+        settings=settings, algorithm=chosen, data_parallel=parallel, data_mode=data_mode, ddp_kwargs=ddp_kwargs
     )
 
 

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, get_args
 
 from lightning_ft.errors import LightningFTError
 from lightning_ft_job.addresses import LOOPBACK, interface_address
@@ -25,15 +25,23 @@ from lightning_ft_job.environment import (
     ENV_START_TIMEOUT,
 )
 
+# Every FTStrategy setting that takes one of a few strings, as a Literal (LightningCLI then offers and checks the
+# choices) and as the tuple of its choices that the resolvers check.
 ProcessGroupName = Literal["auto", "gloo", "nccl"]
 TransportName = Literal["http", "pg"]
+WorldSizeModeName = Literal["dynamic", "fixed_with_spares"]
+BufferSyncName = Literal["average", "off"]  # how buffers cross groups (lightning_ft.step.buffers)
+DataModeName = Literal["sharded", "exactly_once"]  # lightning_ft.data.placement
+AlgorithmName = Literal["ddp", "local_sgd", "diloco"]  # lightning_ft.algorithms
+DataParallelName = Literal["ddp", "fsdp"]  # inside a group: lightning_ft.hsdp.data_parallel
 
-PROCESS_GROUPS: tuple[str, ...] = ("auto", "gloo", "nccl")
-TRANSPORTS: tuple[str, ...] = ("http", "pg")
-WORLD_SIZE_MODES: tuple[str, ...] = ("dynamic", "fixed_with_spares")
-# How buffers cross groups (lightning_ft.step.buffers).
-BufferSyncName = Literal["average", "off"]
-BUFFER_SYNC_MODES: tuple[str, ...] = ("average", "off")
+PROCESS_GROUPS: tuple[str, ...] = get_args(ProcessGroupName)
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+WORLD_SIZE_MODES: tuple[str, ...] = get_args(WorldSizeModeName)
+BUFFER_SYNC_MODES: tuple[str, ...] = get_args(BufferSyncName)
+DATA_MODES: tuple[str, ...] = get_args(DataModeName)
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+DATA_PARALLEL: tuple[str, ...] = get_args(DataParallelName)
 
 
 # Long enough for a scheduler to place a job's nodes one by one (and for Kubernetes to reschedule a pod after a node
@@ -87,7 +95,7 @@ class FTSettings:
     lighthouse_outage_timeout: timedelta | None = timedelta(seconds=600)
     # torchft's WorldSizeMode: "dynamic" averages over every participating group; "fixed_with_spares" lets exactly
     # min_replica_size groups contribute, the others are spares that stay healed and contribute zero.
-    world_size_mode: str = "dynamic"
+    world_size_mode: WorldSizeModeName = "dynamic"
     # How long the first committed step waits for every group to start (lightning_ft.start.decision); 0: not at all.
     start_timeout: timedelta = timedelta(seconds=DEFAULT_START_TIMEOUT_S)
     # "average": each vote averages the buffers' change over the job (lightning_ft.step.buffers); "off": each replica
@@ -164,16 +172,16 @@ def resolve_settings(
     connect_timeout: float,
     init_sync: bool,
     max_retries: int | None,
-    process_group: str,
-    checkpoint_transport: str,
+    process_group: ProcessGroupName,
+    checkpoint_transport: TransportName,
     hostname: str | None,
     replica_id_prefix: str,
     skip_non_finite_steps: bool = True,
     lighthouse_outage_timeout: float | None = 600.0,
     interface: str | None = None,
-    world_size_mode: str = "dynamic",
+    world_size_mode: WorldSizeModeName = "dynamic",
     start_timeout: float | None = None,
-    buffer_sync: str = "average",
+    buffer_sync: BufferSyncName = "average",
 ) -> FTSettings:
     """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
@@ -232,8 +240,8 @@ def resolve_settings(
         connect_timeout=_positive_seconds("connect_timeout", connect_timeout),
         init_sync=init_sync,
         max_retries=max_retries,
-        process_group=process_group,  # type: ignore[arg-type]
-        checkpoint_transport=checkpoint_transport,  # type: ignore[arg-type]
+        process_group=process_group,
+        checkpoint_transport=checkpoint_transport,
         hostname=hostname,
         replica_id_prefix=replica_id_prefix,
         skip_non_finite_steps=bool(skip_non_finite_steps),
@@ -244,7 +252,7 @@ def resolve_settings(
         ),
         world_size_mode=world_size_mode,
         start_timeout=timedelta(seconds=start_timeout),
-        buffer_sync=buffer_sync,  # type: ignore[arg-type]
+        buffer_sync=buffer_sync,
     )
 
 

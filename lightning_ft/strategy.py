@@ -45,6 +45,15 @@ from lightning_ft.hsdp.sharding import group_mesh
 from lightning_ft.hsdp.strategy_hooks import ShardedGroupHooks
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.settings import (
+    AlgorithmName,
+    BufferSyncName,
+    DataModeName,
+    DataParallelName,
+    ProcessGroupName,
+    TransportName,
+    WorldSizeModeName,
+)
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.state import state_fingerprint
@@ -58,13 +67,6 @@ from lightning_ft_job import events
 from lightning_ft_job.environment import torchrun_restart_count
 
 _RUNS_A_MANAGER = (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING)
-# Constructor arguments that go to DDPStrategy as they are; every other one is lightning-ft's (configuration.py).
-_PASSED_TO_LIGHTNING = frozenset(
-    {
-        *("self", "kwargs", "__class__", "accelerator", "parallel_devices", "cluster_environment"),
-        *("checkpoint_io", "precision_plugin", "process_group_backend"),
-    }
-)
 
 
 class FTStrategy(ShardedGroupHooks):
@@ -131,25 +133,25 @@ class FTStrategy(ShardedGroupHooks):
         connect_timeout: float = 20.0,
         init_sync: bool = True,
         max_retries: int | None = None,
-        process_group: str = "auto",
-        checkpoint_transport: str = "http",
+        process_group: ProcessGroupName = "auto",
+        checkpoint_transport: TransportName = "http",
         hostname: str | None = None,
         interface: str | None = None,
         replica_id_prefix: str = "lightning_ft_",
         skip_non_finite_steps: bool = True,
-        buffer_sync: str = "average",
+        buffer_sync: BufferSyncName = "average",
         lighthouse_outage_timeout: float | None = 600.0,
         start_timeout: float | None = None,
-        world_size_mode: str = "dynamic",
-        data_mode: str = "sharded",
-        algorithm: str = "ddp",
+        world_size_mode: WorldSizeModeName = "dynamic",
+        data_mode: DataModeName = "sharded",
+        algorithm: AlgorithmName = "ddp",
         sync_every: int | None = None,
         outer_optimizer: OuterOptimizerFactory | dict[str, Any] | None = None,
         fragments: int | list[list[str]] | None = None,
         fragment_sync_delay: int | None = None,
         fragment_update_alpha: float | None = None,
         quantize: bool = False,
-        data_parallel: str = "ddp",
+        data_parallel: DataParallelName = "ddp",
         fsdp_wrap: list[str] | None = None,
         fsdp_min_params: int | None = None,
         fsdp_mixed_precision: dict[str, Any] | None = None,
@@ -164,13 +166,46 @@ class FTStrategy(ShardedGroupHooks):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        arguments = {name: value for name, value in locals().items() if name not in _PASSED_TO_LIGHTNING}
         # Read here, not in a helper: LightningCLI's signature reader takes this default (True) as the setting's.
         find_unused_parameters = kwargs.get("find_unused_parameters", True)
         configuration = resolve_configuration(
+            replica_group_id=replica_group_id,
+            num_replica_groups=num_replica_groups,
+            lighthouse=lighthouse,
+            min_replica_size=min_replica_size,
+            use_async_quorum=use_async_quorum,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            init_sync=init_sync,
+            max_retries=max_retries,
+            process_group=process_group,
+            checkpoint_transport=checkpoint_transport,
+            hostname=hostname,
+            interface=interface,
+            replica_id_prefix=replica_id_prefix,
+            skip_non_finite_steps=skip_non_finite_steps,
+            buffer_sync=buffer_sync,
+            lighthouse_outage_timeout=lighthouse_outage_timeout,
+            start_timeout=start_timeout,
+            world_size_mode=world_size_mode,
+            data_mode=data_mode,
+            algorithm=algorithm,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            fragments=fragments,
+            fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            quantize=quantize,
+            data_parallel=data_parallel,
+            fsdp_wrap=fsdp_wrap,
+            fsdp_min_params=fsdp_min_params,
+            fsdp_mixed_precision=fsdp_mixed_precision,
+            fsdp_cpu_offload=fsdp_cpu_offload,
+            fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
             ddp_kwargs=dict(kwargs),  # a copy: LightningCLI's signature reader gives up on `name=kwargs`
-            **arguments,
         )
         super().__init__(
             accelerator=accelerator,

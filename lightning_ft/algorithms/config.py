@@ -12,18 +12,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from lightning_ft.algorithms.fragments import FragmentSpec, check_fragment_spec
 from lightning_ft.algorithms.outer_optimizer import OuterOptimizerFactory, OuterOptimizerSpec, outer_optimizer_factory
-from lightning_ft.settings import FTConfigError
+from lightning_ft.settings import ALGORITHMS, AlgorithmName, FTConfigError
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
-
-AlgorithmName = Literal["ddp", "local_sgd", "diloco"]
-ALGORITHMS: tuple[str, ...] = ("ddp", "local_sgd", "diloco")
 
 
 @dataclass(frozen=True)
@@ -64,18 +60,17 @@ def _quantization_unavailable() -> str | None:
 def resolve_algorithm(
     *,
     algorithm: str,
-    use_async_quorum: bool | None,
+    use_async_quorum: bool,
     sync_every: int | None,
     outer_optimizer: OuterOptimizerSpec,
     fragments: FragmentSpec | None,
     fragment_sync_delay: int | None,
     fragment_update_alpha: float | None,
     quantize: bool,
-) -> tuple[AlgorithmSettings, bool]:
+) -> AlgorithmSettings:
     """Validate the algorithm settings. ``None`` means "not set": DiLoCo-only settings must stay unset otherwise.
-
-    Returns the settings and ``use_async_quorum`` with the algorithm's default applied (stored in ``FTSettings``).
-    """
+    ``use_async_quorum`` is the resolved value (its default is decided in :mod:`lightning_ft.configuration`); DiLoCo
+    refuses ``True``."""
     if algorithm not in ALGORITHMS:
         raise FTConfigError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}.")
 
@@ -85,14 +80,11 @@ def resolve_algorithm(
                 "sync_every only applies to algorithm='local_sgd' or 'diloco'; algorithm='ddp' synchronises every "
                 "step. Remove sync_every or choose a semi-synchronous algorithm."
             )
-        async_quorum = True if use_async_quorum is None else use_async_quorum
     else:
         if sync_every is None:
             raise FTConfigError(f"algorithm={algorithm!r} needs sync_every=N: the inner steps between two syncs.")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise FTConfigError(f"sync_every={sync_every!r}: must be a positive integer number of inner steps.")
-        # Synchronous quorum lets a restarted group heal before it takes part in the sync it joins.
-        async_quorum = False if use_async_quorum is None else use_async_quorum
 
     diloco_only = {
         "outer_optimizer": outer_optimizer,
@@ -108,10 +100,10 @@ def resolve_algorithm(
                 f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to algorithm='diloco', but "
                 f"algorithm={algorithm!r}. Remove {'it' if len(given) == 1 else 'them'} or use algorithm='diloco'."
             )
-        return AlgorithmSettings(algorithm=algorithm, sync_every=sync_every), async_quorum  # type: ignore[arg-type]
+        return AlgorithmSettings(algorithm=algorithm, sync_every=sync_every)  # type: ignore[arg-type]
 
     assert sync_every is not None
-    if async_quorum:
+    if use_async_quorum:
         raise FTConfigError(
             "use_async_quorum=True cannot be used with algorithm='diloco': a restarted group must receive the backup "
             "parameters and outer optimizer state before it joins a sync (torchft's DiLoCo requires a synchronous "
@@ -157,7 +149,7 @@ def resolve_algorithm(
         fragment_update_alpha=float(alpha),
         quantize=bool(quantize),
     )
-    return settings, False
+    return settings
 
 
 def warn_unsynced_tail(settings: AlgorithmSettings, max_steps: int) -> None:

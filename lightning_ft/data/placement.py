@@ -46,11 +46,9 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_ft.settings import FTConfigError
+from lightning_ft.settings import DATA_MODES, FTConfigError
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
-
-DATA_MODES: tuple[str, ...] = ("sharded", "exactly_once")
 
 
 def epoch_permutation(num_samples: int, epoch: int, seed: int = 0, shuffle: bool = True) -> torch.Tensor:
@@ -322,13 +320,14 @@ def _order_of(sampler: Sampler | Iterable[Any]) -> tuple[bool, int]:
     )
 
 
-def resolve_data_mode(data_mode: str, algorithm: str, use_async_quorum: bool | None) -> bool | None:
-    """Check ``data_mode`` against the other settings; returns ``use_async_quorum`` (``False`` by default with
-    exactly-once data, which must know a step's quorum before its batch is final)."""
+def check_data_mode(data_mode: str, algorithm: str, use_async_quorum: bool) -> None:
+    """Check ``data_mode`` against the other settings. Exactly-once data must know a step's quorum before its batch
+    is final: ``use_async_quorum`` defaults to ``False`` with it (:mod:`lightning_ft.configuration`), and an explicit
+    ``True`` is refused here."""
     if data_mode not in DATA_MODES:
         raise FTConfigError(f"data_mode={data_mode!r}: must be one of {', '.join(map(repr, DATA_MODES))}.")
     if data_mode == "sharded":
-        return use_async_quorum
+        return
     if algorithm != "ddp":
         raise FTConfigError(
             f"data_mode='exactly_once' with algorithm={algorithm!r}: exactly-once data follows per-step commits, "
@@ -340,4 +339,3 @@ def resolve_data_mode(data_mode: str, algorithm: str, use_async_quorum: bool | N
             "data_mode='exactly_once' with use_async_quorum=True: a step's samples depend on its quorum, so the quorum "
             "must form before the forward pass. Remove use_async_quorum (it defaults to False in this mode)."
         )
-    return False

@@ -12,15 +12,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from lightning_ft.settings import FTConfigError
-
-DataParallelName = Literal["ddp", "fsdp"]
-DATA_PARALLEL: tuple[str, ...] = ("ddp", "fsdp")
+from lightning_ft.settings import DATA_PARALLEL, DataParallelName, FTConfigError
 
 # MixedPrecisionPolicy's fields, and the dtype spellings accepted for them (YAML cannot name a torch.dtype).
 _PRECISION_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
@@ -170,7 +167,7 @@ def resolve_data_parallel(
     *,
     data_parallel: str,
     algorithm: str,
-    use_async_quorum: bool | None,
+    use_async_quorum: bool,
     fsdp_wrap: str | Sequence[str] | None,
     fsdp_min_params: int | None,
     fsdp_mixed_precision: Mapping[str, Any] | MixedPrecisionPolicy | None,

@@ -18,9 +18,9 @@ from lightning_ft.data.placement import (
     ExactlyOnceData,
     ExactlyOnceSchedule,
     StepPlacement,
+    check_data_mode,
     epoch_permutation,
     exactly_once_loader,
-    resolve_data_mode,
 )
 from lightning_ft.settings import FTConfigError
 
@@ -128,10 +128,10 @@ def test_a_new_iterator_forgets_what_the_last_one_loaded_ahead():
 
 # ---------------------------------------------------------------------------------------------- settings
 def test_the_settings_exactly_once_cannot_work_with_are_refused():
-    assert resolve_data_mode("sharded", "ddp", None) is None
-    assert resolve_data_mode("exactly_once", "ddp", None) is False
+    assert check_data_mode("sharded", "ddp", True) is None
+    assert check_data_mode("exactly_once", "ddp", False) is None
     with pytest.raises(FTConfigError, match="data_mode='exact'"):
-        resolve_data_mode("exact", "ddp", None)
+        check_data_mode("exact", "ddp", False)
     with pytest.raises(FTConfigError, match="use_async_quorum"):
         FTStrategy(data_mode="exactly_once", use_async_quorum=True)
     with pytest.raises(FTConfigError, match="algorithm='diloco'"):

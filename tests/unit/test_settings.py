@@ -88,3 +88,66 @@ def test_gradients_are_views_into_ddps_buckets_unless_turned_off():
     assert FTStrategy()._ddp_kwargs["gradient_as_bucket_view"] is True
     assert FTStrategy(gradient_as_bucket_view=False)._ddp_kwargs["gradient_as_bucket_view"] is False
     assert "gradient_as_bucket_view" not in FTStrategy(data_parallel="fsdp")._ddp_kwargs  # no DDP wrapper there
+
+
+# ---------------------------------------------------------------- resolved once
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, True),
+        ({"data_mode": "exactly_once"}, False),
+        ({"data_parallel": "fsdp"}, False),
+        ({"algorithm": "local_sgd", "sync_every": 4}, False),
+        ({"algorithm": "diloco", "sync_every": 4}, False),
+        ({"algorithm": "local_sgd", "sync_every": 4, "use_async_quorum": True}, True),
+        ({"use_async_quorum": False}, False),
+    ],
+)
+def test_use_async_quorum_defaults_in_one_place_and_an_explicit_value_wins(kwargs, expected):
+    """The default comes from ``async_quorum_default`` alone; every mode's resolver sees the same value."""
+    from lightning_ft.configuration import async_quorum_default
+
+    strategy = FTStrategy(**kwargs)
+    assert strategy.settings.use_async_quorum is expected
+    if "use_async_quorum" not in kwargs:
+        default = async_quorum_default(
+            algorithm=kwargs.get("algorithm", "ddp"),
+            data_mode=kwargs.get("data_mode", "sharded"),
+            data_parallel=kwargs.get("data_parallel", "ddp"),
+        )
+        assert default is expected
+
+
+ENUMERATIONS = {
+    "process_group": "PROCESS_GROUPS",
+    "checkpoint_transport": "TRANSPORTS",
+    "buffer_sync": "BUFFER_SYNC_MODES",
+    "world_size_mode": "WORLD_SIZE_MODES",
+    "data_mode": "DATA_MODES",
+    "algorithm": "ALGORITHMS",
+    "data_parallel": "DATA_PARALLEL",
+}
+
+
+def test_every_setting_that_takes_one_of_a_few_strings_is_a_literal_of_what_its_resolver_accepts():
+    import typing
+
+    from lightning_ft import settings
+
+    hints = typing.get_type_hints(FTStrategy.__init__)
+    for name, choices in ENUMERATIONS.items():
+        assert typing.get_origin(hints[name]) is typing.Literal, name
+        assert typing.get_args(hints[name]) == getattr(settings, choices), name
+        with pytest.raises(FTConfigError, match=name):
+            FTStrategy(**{name: "no-such-choice"})
+
+
+def test_lightning_cli_refuses_a_choice_the_setting_does_not_have():
+    """jsonargparse reads the Literal: a wrong choice in YAML fails while parsing, naming the choices."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(FTStrategy, "strategy")
+    assert parser.parse_args(["--strategy.algorithm", "diloco"]).strategy.algorithm == "diloco"
+    with pytest.raises(Exception, match="local_sgd"):
+        parser.parse_args(["--strategy.algorithm", "dilocco"])
