@@ -31,7 +31,8 @@ Private name                               Why                                  
 ``ModelCheckpoint._enable_version_counter`` one file name per step across replica      the ``enable_version_counter``
                                            groups                                       argument, settable
 ``overrides.distributed._sync_module_states``, FSDP2 setup as Lightning's strategies do  public setup helpers
-``optimizer._optimizers_to_device``
+``optimizer._optimizers_to_device``,       (the layer sync is ``SyncBatchNorm``'s)      (a ``layer_sync`` property)
+``ParallelStrategy._layer_sync``
 ========================================== ============================================ ===============================
 
 The loop patches that replace Lightning methods are in :mod:`lightning_ft.loop_patches`.
@@ -68,6 +69,7 @@ __all__ = [
     "combined_loader",
     "data_fetcher",
     "is_local_file_protocol",
+    "layer_sync",
     "load_callbacks_state_dict",
     "load_file",
     "optimizers_to_device",
@@ -134,6 +136,11 @@ def run_on_before_batch_transfer(module: pl.LightningModule, batch: Any, dataloa
 def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
     """Make ``mesh`` the module's ``device_mesh``, as Lightning's ModelParallelStrategy does."""
     module._device_mesh = mesh
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The strategy's layer sync plugin (``Trainer(sync_batchnorm=True)``), or ``None``."""
+    return strategy._layer_sync
 
 
 VERSION_COUNTER = "_enable_version_counter"  # ModelCheckpoint's attribute (set through LoopPatches, undone after)

@@ -4,7 +4,8 @@ A job is N replica groups, each an ordinary Lightning DDP (or FSDP2) world whose
 leaves the group. One torchft Manager per group (:mod:`lightning_ft.manager`) connects the groups: a quorum of live
 groups each step, gradients averaged between them (:mod:`lightning_ft.step`), a vote on whether the step commits, and
 the whole training state streamed to a group that is behind. This class holds properties and hook overrides only, in
-the manner of Lightning's ``DDPStrategy`` (FSDP2's inside a group are in :mod:`lightning_ft.hsdp.strategy_hooks`);
+the manner of Lightning's ``DDPStrategy``; its group-local hooks delegate to DDP or FSDP2 inside the group
+(:mod:`lightning_ft.group_parallelism`);
 ``docs/architecture.md`` follows one step and one heal through the package.
 """
 
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
@@ -41,8 +44,7 @@ from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
 from lightning_ft.data.job_shard import JobShard, fit_sampler_to_job, forget_job_shard, publish_job_shard
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
-from lightning_ft.hsdp.sharding import group_mesh
-from lightning_ft.hsdp.strategy_hooks import ShardedGroupHooks
+from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.settings import (
@@ -59,7 +61,7 @@ from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.state import state_fingerprint
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
-from lightning_ft.step.gradient_hooks import FTCommState, install_ddp_cross_group_hook
+from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook, install_ddp_cross_group_hook
 from lightning_ft.step.modes import check_optimizers
 from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
@@ -69,7 +71,7 @@ from lightning_ft_job.environment import torchrun_restart_count
 _RUNS_A_MANAGER = (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING)
 
 
-class FTStrategy(ShardedGroupHooks):
+class FTStrategy(DDPStrategy):
     """Fault-tolerant data parallelism across replica groups with torchft.
 
     Use it like ``DDPStrategy``: ``Trainer(strategy=FTStrategy())``, ``Trainer(strategy="ft")``, or
@@ -220,6 +222,7 @@ class FTStrategy(ShardedGroupHooks):
         self.algorithm = configuration.algorithm
         self.data_parallel = configuration.data_parallel
         self.data_mode = configuration.data_mode
+        self._in_group: GroupParallelism = group_parallelism(self.data_parallel, self._fsdp_cross_group_hook)
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
         self._step: StepOwner | None = None
@@ -227,7 +230,6 @@ class FTStrategy(ShardedGroupHooks):
         self._collectives: CrossGroupCollectives | None = None
         self._patches = loop_patches.LoopPatches()
         self._sigterm_deadline = SigtermDeadline()
-        self._device_mesh: DeviceMesh | None = None
         self._comm_state: FTCommState | None = None
         self._exactly_once = ExactlyOnceTraining()
         # The job's record through the latest fit; kept after it, so that a save after fit() is recorded as well.
@@ -244,6 +246,22 @@ class FTStrategy(ShardedGroupHooks):
         )
 
     # ------------------------------------------------------------------ what callbacks read (callbacks/_access.py)
+    @property
+    def _module(self) -> pl.LightningModule:
+        """``lightning_module``, which Lightning attaches before it calls any hook that reads this."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("FTStrategy: no LightningModule is attached yet.")
+        return module
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``."""
+        mesh = self._in_group.device_mesh
+        if mesh is None:
+            raise RuntimeError("FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment().")
+        return mesh
+
     @property
     def manager(self) -> FTManager:
         """This group's torchft Manager (exists from ``setup_environment`` on, while fitting, validating, testing)."""
@@ -373,9 +391,7 @@ class FTStrategy(ShardedGroupHooks):
     def setup_environment(self) -> None:
         trainer = self._module.trainer
         super().setup_environment()
-        if self.data_parallel.sharded:  # before configure_model(), which may shard over `self.device_mesh`
-            self._device_mesh = group_mesh(self.root_device)
-            lightning.set_device_mesh(self._module, self._device_mesh)
+        self._in_group.setup_environment(self)
         if trainer.state.fn not in _RUNS_A_MANAGER:
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -443,10 +459,7 @@ class FTStrategy(ShardedGroupHooks):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.data_parallel.sharded:
-            self._setup_sharded(trainer)
-        else:
-            super().setup(trainer)
+        self._in_group.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_optimizers(self.optimizers, semi_sync=self.algorithm.semi_sync)
             if self.algorithm.semi_sync:  # LR schedulers follow inner steps, which always happen
@@ -460,6 +473,10 @@ class FTStrategy(ShardedGroupHooks):
         if self._collectives is not None:
             loop_patches.keep_dataloader_checks_group_local(self._patches, trainer, self._collectives)
             loop_patches.sync_metrics_across_groups(self._patches, self._module, self._collectives.all_gather)
+
+    def _fsdp_cross_group_hook(self) -> Callable[..., Any]:
+        """FSDP2's all-reduce hook: each reduced gradient shard averaged across groups, in the step's quorum."""
+        return fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.before_cross_group_allreduce)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -523,6 +540,31 @@ class FTStrategy(ShardedGroupHooks):
         model = model or self._module
         assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
         return self.step_owner.step(optimizer, closure, model, self.precision_plugin, self._comm_state, **kwargs)
+
+    # ------------------------------------------------------------------ inside the group: DDP or FSDP2
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with self._in_group.block_backward_sync(self):
+            yield
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint (with FSDP, the full state, gathered for group rank 0)."""
+        return self._in_group.lightning_module_state_dict(self)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """An optimizer's state for a checkpoint (with FSDP, the full state keyed by parameter name)."""
+        return self._in_group.optimizer_state(self, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._in_group.load_model_state_dict(self, checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._in_group.load_optimizer_state_dict(self, checkpoint)
 
     # ------------------------------------------------------------------ checkpoints
     @override

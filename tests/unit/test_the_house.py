@@ -180,7 +180,7 @@ def test_the_folder_cycle_check_finds_a_cycle():
 # Private attributes of Lightning objects, reached through these roots; read or changed only in
 # lightning_ft/lightning_internals.py (its docstring lists each one, why, and the public API that would replace it).
 LIGHTNING_OBJECTS = re.compile(
-    r"\b(trainer|fit_loop|epoch_loop|lightning_module|pl_module|callback|checkpoint_callback|lightning_call)\b"
+    r"\b(trainer|strategy|fit_loop|epoch_loop|lightning_module|pl_module|callback|checkpoint_callback|lightning_call)\b"
     r"|\bself\._module\b"  # FTStrategy's LightningModule
 )
 
@@ -222,3 +222,21 @@ def test_the_lightning_guard_sees_a_private_import_and_a_private_attribute(tmp_p
         "trainer.fit_loop.epoch_loop._batches_that_stepped",
         "trainer._checkpoint_connector",
     ]
+
+
+def test_ddp_and_fsdp_inside_a_group_are_two_objects_behind_one_interface():
+    """FTStrategy delegates its group-local hooks to one of two objects, never branching on the data parallelism
+    itself: each implements every member of ``GroupParallelism`` with the same parameters."""
+    import inspect
+
+    from lightning_ft.group_parallelism import GroupDDP, GroupParallelism
+    from lightning_ft.hsdp.in_group import GroupFSDP
+
+    members = {name for name in vars(GroupParallelism) if not name.startswith("_")}
+    assert {"setup", "block_backward_sync", "lightning_module_state_dict", "device_mesh"} <= members
+    for implementation in (GroupDDP, GroupFSDP):
+        for name in members - {"device_mesh"}:
+            wanted = list(inspect.signature(getattr(GroupParallelism, name)).parameters)
+            assert list(inspect.signature(getattr(implementation, name)).parameters) == wanted, (implementation, name)
+    source = (REPO / "lightning_ft" / "strategy.py").read_text()
+    assert "if self.data_parallel.sharded" not in source and "not self.data_parallel.sharded" not in source

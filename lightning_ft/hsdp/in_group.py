@@ -1,0 +1,105 @@
+"""FSDP2 inside a replica group (``data_parallel="fsdp"``): the model is sharded over the group in place of DDP's
+wrapper, and each reduced shard is averaged across groups (HSDP, ``docs/hsdp.md``). FTStrategy delegates its
+group-local hooks to this object (:mod:`lightning_ft.group_parallelism`), as it does to ``GroupDDP`` with DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_ft import lightning_internals as lightning
+from lightning_ft.hsdp import full_state as sharded_checkpoint
+from lightning_ft.hsdp.data_parallel import FSDPSettings
+from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, group_mesh, is_sharded, shard_module
+
+# The hook FSDP2 calls with each reduced gradient shard (FSDPModule.set_all_reduce_hook).
+AllReduceHook = Callable[..., Any]
+
+
+class GroupFSDP:
+    """Each rank of the group holds a shard of the model and optimizer state (FSDP2 over the group's 1-D mesh).
+
+    Args:
+        settings: The ``fsdp_*`` settings.
+        cross_group_hook: Makes the all-reduce hook that averages each reduced shard across groups; called at setup,
+            once the Manager exists (:func:`lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`).
+    """
+
+    def __init__(self, settings: FSDPSettings, cross_group_hook: Callable[[], AllReduceHook]) -> None:
+        self._settings = settings
+        self._cross_group_hook = cross_group_hook
+        self._mesh: DeviceMesh | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        return self._mesh
+
+    def setup_environment(self, strategy: DDPStrategy) -> None:
+        """The group's mesh, before ``configure_model()``, which may shard over ``self.device_mesh``."""
+        self._mesh = group_mesh(strategy.root_device)
+        lightning.set_device_mesh(_module(strategy), self._mesh)
+
+    def setup(self, strategy: DDPStrategy, trainer: pl.Trainer) -> None:
+        """``DDPStrategy.setup`` with FSDP2 sharding in place of the DDP wrapper. The model is sharded only when
+        fitting (as DDP only wraps then), unless ``configure_model`` sharded it; a model that is not sharded gets
+        DDP's broadcast of rank 0's weights when not fitting (a sharded one must not)."""
+        assert strategy.accelerator is not None and strategy.model is not None
+        strategy.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        layer_sync = lightning.layer_sync(strategy)
+        if fitting and layer_sync:
+            strategy.model = layer_sync.apply(strategy.model)
+        strategy.precision_plugin.convert_module(strategy.model)
+        strategy.model_to_device()
+        if fitting:
+            assert self._mesh is not None
+            module = _module(strategy)
+            shard_module(module, self._mesh, self._settings)
+            hook = self._cross_group_hook()
+            for fsdp_module in fsdp_modules(module):
+                fsdp_module.set_all_reduce_hook(hook)
+            strategy.setup_optimizers(trainer)
+        elif not is_sharded(strategy.model):
+            lightning.sync_module_states(strategy.model)
+        strategy.setup_precision_plugin()
+        if fitting:
+            lightning.optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+    @contextmanager
+    def block_backward_sync(self, strategy: DDPStrategy) -> Iterator[None]:
+        if strategy.model is None:
+            yield
+            return
+        with gradient_sync_off(strategy.model):
+            yield
+
+    def lightning_module_state_dict(self, strategy: DDPStrategy) -> dict[str, Any]:
+        """The full (unsharded) model state, gathered for group rank 0."""
+        return sharded_checkpoint.full_model_state(_module(strategy))
+
+    def optimizer_state(self, strategy: DDPStrategy, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name, gathered for group rank 0."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return sharded_checkpoint.full_optimizer_state(_module(strategy), optimizer)
+
+    def load_model_state_dict(self, strategy: DDPStrategy, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        sharded_checkpoint.load_full_model_state(_module(strategy), checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, strategy: DDPStrategy, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"], strict=False):
+            sharded_checkpoint.load_full_optimizer_state(_module(strategy), optimizer, state)
+
+
+def _module(strategy: DDPStrategy) -> pl.LightningModule:
+    module = strategy.lightning_module
+    if module is None:
+        raise RuntimeError("FTStrategy: no LightningModule is attached yet.")
+    return module
