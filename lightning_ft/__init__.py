@@ -23,7 +23,13 @@ from lightning_ft.callbacks import (
     StateTransferCallback,
 )
 from lightning_ft.data.job_shard import JobShard, job_shard
-from lightning_ft.errors import LightningFTError
+from lightning_ft.errors import (
+    LightningFTError,
+    NotAvailableError,
+    StrategyRequiredError,
+    UnsupportedArgumentError,
+    UnsupportedModelError,
+)
 from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
@@ -48,9 +54,13 @@ __all__ = [
     "LighthouseUnreachableError",
     "LightningFTError",
     "ManagerCheckpointCallback",
+    "NotAvailableError",
     "QuorumCallback",
     "ReplicaConsistencyCheck",
     "StateTransferCallback",
+    "StrategyRequiredError",
+    "UnsupportedArgumentError",
+    "UnsupportedModelError",
     "__version__",
     "job_shard",
 ]

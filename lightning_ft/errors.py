@@ -11,3 +11,22 @@ from __future__ import annotations
 
 class LightningFTError(Exception):
     """Base class of every error raised by lightning-ft (``except lightning_ft.LightningFTError``)."""
+
+
+class NotAvailableError(LightningFTError, RuntimeError):
+    """A part of lightning-ft was asked for outside the time it exists: for example ``FTStrategy.manager`` before
+    ``setup_environment()`` or after the fit. The message says when it is available."""
+
+
+class StrategyRequiredError(LightningFTError, RuntimeError):
+    """A lightning-ft callback runs under a strategy without the part it needs (use ``Trainer(strategy="ft")``)."""
+
+
+class UnsupportedModelError(LightningFTError, RuntimeError):
+    """The model does something fault tolerance cannot keep consistent across replicas (buffers that change shape,
+    parameters FSDP2 does not manage, fragments that differ from a checkpoint's). The message names the fix."""
+
+
+class UnsupportedArgumentError(LightningFTError, ValueError):
+    """An argument of a lightning-ft function or class has a value it does not support (not a strategy setting:
+    those raise :class:`~lightning_ft.settings.FTConfigError`)."""

@@ -44,6 +44,7 @@ from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
 from lightning_ft.data.job_shard import JobShard, fit_sampler_to_job, forget_job_shard, publish_job_shard
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
+from lightning_ft.errors import NotAvailableError
 from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
@@ -251,7 +252,7 @@ class FTStrategy(DDPStrategy):
         """``lightning_module``, which Lightning attaches before it calls any hook that reads this."""
         module = self.lightning_module
         if module is None:
-            raise RuntimeError("FTStrategy: no LightningModule is attached yet.")
+            raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
         return module
 
     @property
@@ -259,14 +260,16 @@ class FTStrategy(DDPStrategy):
         """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``."""
         mesh = self._in_group.device_mesh
         if mesh is None:
-            raise RuntimeError("FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment().")
+            raise NotAvailableError(
+                "FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment()."
+            )
         return mesh
 
     @property
     def manager(self) -> FTManager:
         """This group's torchft Manager (exists from ``setup_environment`` on, while fitting, validating, testing)."""
         if self._handle is None:
-            raise RuntimeError(
+            raise NotAvailableError(
                 "FTStrategy.manager is only available while fitting, validating or testing, after setup_environment()."
             )
         return self._handle.manager
@@ -275,13 +278,15 @@ class FTStrategy(DDPStrategy):
     def collectives(self) -> CrossGroupCollectives:
         """Job-wide reductions over every participating replica (see :mod:`lightning_ft.step.collectives`)."""
         if self._collectives is None:
-            raise RuntimeError("FTStrategy.collectives is only available after setup_environment().")
+            raise NotAvailableError("FTStrategy.collectives is only available after setup_environment().")
         return self._collectives
 
     @property
     def step_protocol(self) -> StepProtocol:
         if self._protocol is None:
-            raise RuntimeError("FTStrategy.step_protocol is only available while fitting, after setup_environment().")
+            raise NotAvailableError(
+                "FTStrategy.step_protocol is only available while fitting, after setup_environment()."
+            )
         return self._protocol
 
     @property
@@ -289,7 +294,7 @@ class FTStrategy(DDPStrategy):
         """The one owner of each optimizer step (``algorithm="ddp"``, while fitting): see
         :mod:`lightning_ft.step.owner`."""
         if self._step is None:
-            raise RuntimeError(
+            raise NotAvailableError(
                 "FTStrategy.step_owner is only available while fitting with algorithm='ddp', after setup_environment()."
             )
         return self._step
@@ -298,7 +303,7 @@ class FTStrategy(DDPStrategy):
     def telemetry(self) -> FTTelemetry:
         """This group's fault-tolerance figures (quorum waits, heals, votes)."""
         if self._telemetry is None:
-            raise RuntimeError("FTStrategy.telemetry is only available while fitting, validating or testing.")
+            raise NotAvailableError("FTStrategy.telemetry is only available while fitting, validating or testing.")
         return self._telemetry
 
     @property

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 
 from torchx import specs
 
+from lightning_ft.settings import FTConfigError
 from lightning_ft_job.events import ENV_RUN_ID
 from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
@@ -81,9 +82,9 @@ def ft_job(
         env: extra environment variables of every group
     """
     if replica_groups < 1 or nproc_per_group < 1 or max_restarts < 0:
-        raise ValueError("ft_job: replica_groups and nproc_per_group must be >= 1, max_restarts >= 0")
+        raise FTConfigError("ft_job: replica_groups and nproc_per_group must be >= 1, max_restarts >= 0")
     if not 1 <= min_replicas <= replica_groups:
-        raise ValueError(f"ft_job: min_replicas={min_replicas} must be in [1, replica_groups={replica_groups}]")
+        raise FTConfigError(f"ft_job: min_replicas={min_replicas} must be in [1, replica_groups={replica_groups}]")
     roles: List[specs.Role] = []
     url = lighthouse
     if url is None:

@@ -24,6 +24,7 @@ from torchft.local_sgd import DiLoCo
 
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.fragments import fragment_modules, resolve_fragments
+from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import diloco_fragments, fragment_outer_optimizer, fragment_updates_off
 from lightning_ft.step.protocol import StepProtocol
 
@@ -81,7 +82,7 @@ class DiLoCoSync:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["fragments"] != self.fragment_names:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 "lightning-ft: the checkpoint's DiLoCo fragments differ from this run's (fragments setting or model "
                 "changed); its global parameters and outer optimizer state cannot be restored."
             )

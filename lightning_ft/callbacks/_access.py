@@ -14,6 +14,7 @@ from torchft import Manager
 
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.data.placement import ExactlyOnceData
+from lightning_ft.errors import StrategyRequiredError
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.settings import FTSettings
 from lightning_ft.step.collectives import CrossGroupCollectives
@@ -59,7 +60,7 @@ def has_ft_manager(trainer: pl.Trainer) -> bool:
 
 def ft_manager(trainer: pl.Trainer) -> Manager:
     if not has_ft_manager(trainer):
-        raise RuntimeError(
+        raise StrategyRequiredError(
             f"This callback needs lightning_ft.FTStrategy (or a strategy exposing a torchft `manager`), but the "
             f"trainer runs {type(trainer.strategy).__name__} (or is not fitting). Use Trainer(strategy='ft')."
         )
@@ -91,7 +92,9 @@ def _required_part(trainer: pl.Trainer, name: str, kind: type[T]) -> T:
     ft_manager(trainer)
     part = getattr(trainer.strategy, name, None)
     if not isinstance(part, kind):
-        raise RuntimeError(f"This callback needs a strategy exposing a lightning_ft {kind.__name__} as `{name}`.")
+        raise StrategyRequiredError(
+            f"This callback needs a strategy exposing a lightning_ft {kind.__name__} as `{name}`."
+        )
     return part
 
 

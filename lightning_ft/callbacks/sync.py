@@ -19,6 +19,7 @@ from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.diloco import DiLoCoSync
 from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_manager, ft_step_protocol
+from lightning_ft.errors import StrategyRequiredError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft_job import events
@@ -30,7 +31,7 @@ DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
 def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
     algorithm = ft_algorithm(trainer)
     if algorithm is None or not algorithm.semi_sync:
-        raise RuntimeError("SyncCallback needs FTStrategy(algorithm='local_sgd') or 'diloco'.")
+        raise StrategyRequiredError("SyncCallback needs FTStrategy(algorithm='local_sgd') or 'diloco'.")
     return algorithm
 
 

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_ft import lightning_internals as lightning
+from lightning_ft.errors import NotAvailableError
 from lightning_ft.hsdp import full_state as sharded_checkpoint
 from lightning_ft.hsdp.data_parallel import FSDPSettings
 from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, group_mesh, is_sharded, shard_module
@@ -101,5 +102,5 @@ class GroupFSDP:
 def _module(strategy: DDPStrategy) -> pl.LightningModule:
     module = strategy.lightning_module
     if module is None:
-        raise RuntimeError("FTStrategy: no LightningModule is attached yet.")
+        raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
     return module

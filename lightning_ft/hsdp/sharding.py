@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from lightning_ft.errors import NotAvailableError, UnsupportedModelError
 from lightning_ft.hsdp.data_parallel import FSDPSettings
 from lightning_ft.settings import FTConfigError
 
@@ -54,7 +55,9 @@ def group_mesh(device: torch.device) -> DeviceMesh:
     ``ModelParallelStrategy``), made from the existing group so that no new process group is created."""
     world = dist.group.WORLD
     if world is None:
-        raise RuntimeError("FTStrategy(data_parallel='fsdp'): the replica group's process group is not initialized.")
+        raise NotAvailableError(
+            "FTStrategy(data_parallel='fsdp'): the replica group's process group is not initialized."
+        )
     return DeviceMesh.from_group(world, device.type, mesh_dim_names=(MESH_DIM,))
 
 
@@ -115,7 +118,7 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, settings: FSDPSettings) ->
         vars(module)[_AUTO_WRAPPED_MARK] = True
     left_out = unmanaged_parameters(module)
     if left_out:  # the LightningModule is a fully_shard but its parameters are not DTensors: something else holds them
-        raise RuntimeError(
+        raise UnsupportedModelError(
             f"lightning-ft: parameters {left_out} are not managed by FSDP2 after sharding, so their gradients would "
             f"never be averaged. Make sure configure_model() shards modules that contain them."
         )

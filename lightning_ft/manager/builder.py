@@ -58,13 +58,13 @@ from lightning_ft.manager.internals import (
     manager_client,
     new_manager_client,
 )
-from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
+from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
 from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.manager.vote_inputs import VoteInputs
-from lightning_ft.settings import FTSettings
+from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft_job.addresses import is_loopback, numeric_host
 from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
 
@@ -115,7 +115,7 @@ def _cross_group_process_group(
         name = "nccl" if device.type == "cuda" else "gloo"
     if name == "nccl":
         if device.type != "cuda":
-            raise ValueError(f"process_group='nccl' needs a CUDA device, but this process trains on {device}.")
+            raise FTConfigError(f"process_group='nccl' needs a CUDA device, but this process trains on {device}.")
         return StoreCheckedProcessGroupNCCL(timeout=settings.timeout)
     chosen = settings.hostname is not None or is_loopback(hostname)
     if chosen and not os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -232,12 +232,12 @@ class LighthouseUnreachableError(LightningFTError, ConnectionError):
 
 @contextlib.contextmanager
 def lighthouse_reached(lighthouse_addr: str | None, settings: FTSettings) -> Iterator[None]:
-    """Turn torchft's raw "failed to connect to <url>" of the Manager's construction into an error that names the
-    lighthouse, the settings that chose it and the fix."""
+    """When the Manager's construction fails and the lighthouse does not accept a connection (checked here, not read
+    from torchft's message), raise an error that names the lighthouse, the settings that chose it and the fix."""
     try:
         yield
     except RuntimeError as error:
-        if not lighthouse_addr or "failed to connect" not in str(error) or lighthouse_addr not in str(error):
+        if not lighthouse_addr or lighthouse_reachable(lighthouse_addr):
             raise
         seconds = settings.connect_timeout.total_seconds()
         raise LighthouseUnreachableError(

@@ -39,7 +39,7 @@ from torchft.checkpointing import HTTPTransport
 from typing_extensions import override
 
 from lightning_ft.checkpoint_io import refused_global
-from lightning_ft.errors import LightningFTError
+from lightning_ft.errors import LightningFTError, UnsupportedArgumentError
 from lightning_ft_job.addresses import LOOPBACK, family_of, is_loopback, numeric_host, url_host
 
 
@@ -110,7 +110,7 @@ class CheckpointHTTPTransport(HTTPTransport):
         if num_chunks:
             # torchft's chunked fetch sends a pytree TreeSpec first, which a weights_only load refuses: it could never
             # receive. The one-stream fetch is what the Manager uses.
-            raise ValueError(
+            raise UnsupportedArgumentError(
                 f"lightning-ft: CheckpointHTTPTransport(num_chunks={num_chunks}) is not supported: a chunked heal's "
                 f"metadata is a pytree TreeSpec, which the safe (weights_only) load refuses. Use num_chunks=0."
             )

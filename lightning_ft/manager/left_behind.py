@@ -68,6 +68,11 @@ CHECK_AFTER_S = 0.5
 INTERVAL_S = 0.25
 
 
+class CrossGroupTimeoutError(LightningFTError, TimeoutError):
+    """A cross-group operation did not complete within the ``wait(timeout)`` asked for (a ``TimeoutError``, as a
+    backend's own ``wait(timeout)`` raises)."""
+
+
 class CollectiveLeftBehindError(LightningFTError, RuntimeError):
     """Another member of the quorum left it while this group's cross-group collective was still pending."""
 
@@ -90,7 +95,7 @@ class WatchedWork(dist.Work):
         """Wait for the operation (or its give-up); raises its error, or :class:`CollectiveLeftBehindError`. With
         ``timeout``, raises ``TimeoutError`` once it has passed, as a backend's own ``wait(timeout)`` does."""
         if timeout is not None and not self._done.wait(timeout.total_seconds()):
-            raise TimeoutError(f"lightning-ft: a cross-group operation did not complete within {timeout}")
+            raise CrossGroupTimeoutError(f"lightning-ft: a cross-group operation did not complete within {timeout}")
         self._future.wait()
         return True
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from lightning_ft.errors import UnsupportedArgumentError
+
 
 class LocalCommitVote:
     """The Manager's client, answering ``should_commit`` without the RPC; for a group of exactly one process."""
@@ -29,5 +31,7 @@ class LocalCommitVote:
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         """The group's decision: with one rank, that rank's vote."""
         if group_rank != 0:
-            raise ValueError(f"LocalCommitVote serves a group of one process, but was asked by group rank {group_rank}")
+            raise UnsupportedArgumentError(
+                f"LocalCommitVote serves a group of one process, but was asked by group rank {group_rank}"
+            )
         return should_commit

@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import Manager
 
+from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -164,7 +165,7 @@ class ModelBuffers:
 
     def _check_layout(self, buffers: list[Tensor]) -> None:
         if [(b.shape, b.dtype, b.device) for b in buffers] != self._layout:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"lightning-ft: the model's buffers changed shape, dtype or device during training "
                 f"({', '.join(self.names)}); buffer_sync='average' needs them fixed. Create buffers at their final "
                 f"shape in __init__, or set FTStrategy(buffer_sync='off')."

@@ -50,7 +50,7 @@ from torch.distributed import ReduceOp
 from torchft import Manager
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_ft.errors import LightningFTError
+from lightning_ft.errors import LightningFTError, UnsupportedArgumentError
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 
@@ -365,7 +365,9 @@ def _reduce_stacked(values: Tensor, reduce_op: ReduceOp | str | None) -> Tensor:
         return values.amin(dim=0)
     if name == "product":
         return values.prod(dim=0)
-    raise ValueError(f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'.")
+    raise UnsupportedArgumentError(
+        f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'."
+    )
 
 
 def _op_name(reduce_op: ReduceOp | str | None) -> str:
@@ -376,4 +378,6 @@ def _op_name(reduce_op: ReduceOp | str | None) -> str:
     for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
         if reduce_op == getattr(ReduceOp, name):
             return name.lower()
-    raise ValueError(f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'.")
+    raise UnsupportedArgumentError(
+        f"lightning-ft: reduce_op={reduce_op!r} is not supported; use 'sum', 'mean', 'max' or 'min'."
+    )

@@ -39,6 +39,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
+from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.step.protocol import StepProtocol
@@ -228,4 +229,6 @@ def pin_bucket_layout(model: DistributedDataParallel) -> None:
     """
     model.reducer._push_all_rebuilt_params()
     if not model.reducer._rebuild_buckets():
-        raise RuntimeError("DDP did not rebuild its gradient buckets before the first step; FTStrategy needs it to")
+        raise UnsupportedModelError(
+            "DDP did not rebuild its gradient buckets before the first step; FTStrategy needs it to"
+        )

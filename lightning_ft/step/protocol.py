@@ -44,6 +44,11 @@ class JobBehindCheckpointError(LightningFTError, RuntimeError):
     or its last quorum's step when it keeps no checkpoint)."""
 
 
+class FailedAfterCommitError(LightningFTError, RuntimeError):
+    """A cross-group collective failed after the step's commit decision: the group stops (and restarts and heals)
+    rather than stay silently different from its peers."""
+
+
 class QuorumNotStartedError(LightningFTError, RuntimeError):
     """Gradients were about to cross groups without a quorum for this step."""
 
@@ -252,7 +257,7 @@ class StepProtocol:
 
     def _stop_if_failed_after_commit(self) -> None:
         if self._decision and self.manager.errored() is not None:
-            raise RuntimeError(
+            raise FailedAfterCommitError(
                 "lightning-ft: a cross-group collective failed after this batch's commit decision. Stopping this "
                 "replica group so that it restarts and heals instead of diverging from its peers."
             ) from self.manager.errored().original_exception

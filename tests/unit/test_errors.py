@@ -38,3 +38,31 @@ def test_every_public_exception_class_derives_from_lightning_ft_error():
 def test_the_built_in_types_still_catch_them():
     assert issubclass(FTConfigError, ValueError) and issubclass(LighthouseUnreachableError, ConnectionError)
     assert not issubclass(InjectedFailure, LightningFTError), "a rehearsed failure is the user's, not ours"
+
+
+BUILT_IN_ERRORS = {"Exception", "RuntimeError", "ValueError", "TypeError", "ConnectionError", "TimeoutError", "OSError"}
+
+
+def bare_raises(source: str, filename: str) -> list[str]:
+    """Each ``raise <built-in error>(...)`` in ``source``: an error a user could not catch as ``LightningFTError``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        call = node.exc if isinstance(node, ast.Raise) else None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in BUILT_IN_ERRORS:
+            found.append(f"{filename}:{node.lineno}: raise {call.func.id}")
+    return found
+
+
+def test_the_package_raises_no_bare_built_in_error():
+    from pathlib import Path
+
+    root = Path(lightning_ft.__file__).parent
+    found = [use for path in sorted(root.rglob("*.py")) for use in bare_raises(path.read_text(), path.name)]
+    assert not found, found
+
+
+def test_the_bare_raise_check_sees_one():
+    assert bare_raises("def f():\n    raise RuntimeError('x')\n", "m.py") == ["m.py:2: raise RuntimeError"]
+    assert bare_raises("def f():\n    raise FTConfigError('x')\n", "m.py") == []
