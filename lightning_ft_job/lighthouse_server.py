@@ -24,7 +24,7 @@ NATIVE_MODULE = "torchft._torchft"
 LOOPBACK_BIND = "127.0.0.1:0"
 
 # Defaults for one machine. A dead group is declared dead after the heartbeat timeout, so the survivors stall for
-# about this long (measured: timeout + ~60 ms). torchft's own default is 5 s, sized for clusters.
+# about this long. torchft's own default is 5 s, sized for clusters.
 LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
 # After membership changes, how long the lighthouse waits for groups that heartbeat but have not asked to join yet.
 # This is what the survivors of a killed group wait before they commit again: the dead group heartbeats until the
@@ -32,9 +32,8 @@ LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
 # waits (while every previous member is back, torchft forms a "fast quorum" at once), and the lighthouse's majority
 # rule keeps a lone group from leaving a live, heartbeating majority behind, so a short wait costs at most an extra
 # membership change when a group is more than this late right after a failure (it joins at the next step and heals).
-# Measured with 3 groups on 2 cores: kill -> survivors commit again 0.41 s at 300 ms, 1.07 s at 10 s (which the
-# heartbeat timeout capped at 1 s); see docs/benchmarks.md. With 2 groups the lone survivor is no majority until the
-# dead group's heartbeats expire, so it waits the heartbeat timeout either way.
+# docs/benchmarks.md measures the kill-to-commit time at two settings. With 2 groups the lone survivor is no
+# majority until the dead group's heartbeats expire, so it waits the heartbeat timeout either way.
 LOCAL_JOIN_TIMEOUT_MS = 300
 
 
@@ -95,13 +94,13 @@ def start_lighthouse(
 def lighthouse_server_class() -> type[LighthouseServer]:
     """torchft's ``LighthouseServer`` class, without importing torch into a process that has not imported it.
 
-    Why: ``import torchft`` imports torch (about 0.9 s of CPU on a 2-core machine), and ``lightning-ft launch`` paid it
-    before any replica group could start; torch's import in the groups' own processes competes for the same cores.
-    The server lives in torchft's native extension ``torchft._torchft``, which links no part of torch, so it is
-    loaded from its file directly (about 2 ms). It is registered in ``sys.modules`` under its own name: a later
-    ``import torchft`` in this process finds it there (torchft imports it with ``from torchft._torchft import ...``),
-    instead of initialising the extension a second time. The one difference: the attribute ``torchft._torchft`` is
-    then missing from the package, which torchft itself never reads.
+    Why: ``import torchft`` imports torch (most of a second of CPU on a small machine), and ``lightning-ft launch``
+    paid it before any replica group could start; torch's import in the groups' own processes competes for the same
+    cores. The server lives in torchft's native extension ``torchft._torchft``, which links no part of torch, so it
+    is loaded from its file directly, at a fraction of the cost. It is registered in ``sys.modules`` under its own
+    name: a later ``import torchft`` in this process finds it there (torchft imports it with ``from torchft._torchft
+    import ...``), instead of initialising the extension a second time. The one difference: the attribute
+    ``torchft._torchft`` is then missing from the package, which torchft itself never reads.
 
     A process that already imported torchft (every training process) gets the class the usual way. When the
     installed torchft is laid out differently (no such extension file), the usual import is the fallback too.

@@ -2,7 +2,7 @@
 
 It is ``torch.distributed.run``'s own ``main``, unchanged, with one difference at the very end: once ``main`` has
 returned (the group finished), the process exits without the interpreter's teardown of torch, which frees hundreds of
-thousands of objects for nothing, about 0.5 s of CPU per agent (measured on a 2-core machine), at the moment every
+thousands of objects for nothing (a measurable share of a small machine's CPU), at the moment every
 group of a job ends at once. Everything else still runs first: the joins of non-daemon threads and every atexit hook
 registered by torch (this one is registered before torch is imported, so it runs last). An agent whose ``main``
 raised (its group failed after its last restart, or it was signalled) goes through the normal exit, with torchrun's

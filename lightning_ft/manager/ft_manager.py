@@ -11,7 +11,7 @@ Four behaviours are added where torchft has no hook for them:
   counted in the first step's average contributes to it (:meth:`FTManager.start_quorum`).
 * **A quorum already known is not waited for again through the profiler.** torchft's ``wait_quorum`` is
   ``_quorum_future.result()`` inside a ``record_function`` range, called several times per step; once the quorum is
-  known, and with no profiler running, the range is skipped (about 0.2 ms per step of a small model here).
+  known, and with no profiler running, the range is skipped (its cost per call is in ``docs/benchmarks.md``).
 * **Quorum observers** learn how long the training thread waited for each quorum and which quorum it got, measured
   in ``wait_quorum`` itself: every caller that blocks on a quorum passes there (the start of a synchronous step, the
   first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section).
@@ -116,7 +116,7 @@ class FTManager(Manager):
         With an asynchronous quorum, torchft 0.2.0 counts every group at the job's highest step as a participant
         (``max_world_size``). At step 0 with ``init_sync`` that includes the groups that heal from the primary: they
         sit the step out (their gradient is zeroed), yet the average still divides by them, so the job's first
-        update is ``1 / groups`` of what it should be (measured: half, with 2 groups). Healing them before the
+        update is ``1 / groups`` of what it should be. Healing them before the
         forward pass instead, as torchft's synchronous quorum does, makes every counted group contribute a gradient
         computed on the same weights. Only a process at step 0 waits for this quorum, and only a job at step 0 heals
         early: a restarted group behind a running job still heals inside the vote and is not counted.

@@ -1,6 +1,6 @@
 """Giving up a cross-group collective that the rest of the job has left behind.
 
-The failure this answers (measured, ``docs/benchmarks.md`` section 2): when a replica group dies in the middle of a
+The failure this answers (measured in ``docs/benchmarks.md``): when a replica group dies in the middle of a
 cross-group collective, one survivor's Gloo operation may complete while another survivor's waits on a send that
 never completes. Gloo fails that send only after the collective timeout (``FTStrategy(timeout=...)``, 60 s by
 default). Meanwhile the first survivor goes on and the lighthouse forms the next quorum without the stuck one, which

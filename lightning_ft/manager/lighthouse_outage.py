@@ -71,7 +71,6 @@ PROBE_TIMEOUT_S = 2.0
 # others then heal from it (or, worse, torchft reuses a quorum id for another membership, see docs/reliability.md).
 # torchft's heartbeat loop reconnects with an exponential backoff capped at 10 s (plus up to 100 ms of jitter); after
 # that every live group is heartbeating again, and the groups rejoin in one quorum at the step where they stopped.
-# (Measured: heartbeats were back within a second of the restart.)
 REJOIN_GRACE_S = 11.0
 
 

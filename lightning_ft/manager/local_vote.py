@@ -5,7 +5,7 @@ the server counts one vote per group rank and answers all of them with "commit" 
 leaves the group (different groups may decide differently; a group that does not commit heals at its next quorum).
 In a group of one process that RPC combines one vote with nothing: its answer is the vote itself. It is still a gRPC
 round trip on the training thread's critical path at every step, plus the server's work: on a small model, the
-largest single per-step cost of fault tolerance (``docs/benchmarks.md``, section 1).
+largest single per-step cost of fault tolerance (``docs/benchmarks.md``).
 
 :class:`LocalCommitVote` wraps the Manager's client (installed by :func:`lightning_ft.manager.builder.composed_client`
 when the group has one process) and answers the vote itself; every other request passes through unchanged.

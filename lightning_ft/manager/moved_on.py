@@ -16,7 +16,7 @@ quorum too: its step cannot commit, and the next quorum gets a new id. It writes
 at once (:meth:`MovedOnSignal.abandon`), because it may not be able to move on for a while: with DiLoCo, the
 survivor whose allreduce failed is alone in asking for a new quorum while another survivor stays in the collective,
 and one group is no majority of the groups that heartbeat. Without the marker, both would wait until the dead group
-restarts (measured: 6 to 7 s, ``docs/benchmarks.md`` section 2).
+restarts (``docs/benchmarks.md`` has the figures).
 
 When the old quorum's store is gone (its primary group died, and the store lived in that group's rank 0), no marker
 can be written or read; but then a member of the quorum is dead, and its collective can never complete either: the

@@ -6,7 +6,7 @@ wait is the step's host-device sync. Anything else this process must read from t
 averaged gradient is finite, the step's loss for the event log) is read in between: the kernels that produced it
 have finished, so the read waits for nothing. Read before the vote instead, each would be a sync of its own, and one
 read after the optimizer's launches makes the host wait for the optimizer's kernels before it can queue the next
-batch's work (``docs/benchmarks.md``, *One sync per step*).
+batch's work (``docs/benchmarks.md``).
 
 :class:`VoteInputs` wraps the Manager's client (outermost, :func:`lightning_ft.manager.builder.composed_client`): the
 client's ``should_commit`` is the first thing torchft calls after its sync. :func:`should_commit_reading` is the one

@@ -225,7 +225,7 @@ def pin_bucket_layout(model: DistributedDataParallel) -> None:
     launches them in that order, so the first bucket (the first layers' gradients, ready last) holds every allreduce
     back to the end of the backward pass. With ``find_unused_parameters=True`` (the default) DDP never rebuilds, its
     first layout already runs backwards, and the allreduces overlap the backward pass, at the cost of a graph
-    traversal every step (``docs/benchmarks.md``, section 6, *Per-step cost over a zoo of models*).
+    traversal every step (``docs/benchmarks.md``).
     """
     model.reducer._push_all_rebuilt_params()
     if not model.reducer._rebuild_buckets():
