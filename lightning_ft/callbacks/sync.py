@@ -1,7 +1,8 @@
 """Semi-synchronous training: inner steps inside the group, a cross-group sync every ``sync_every`` inner steps.
 
 Takes the place of :class:`~lightning_ft.callbacks.QuorumCallback` when ``FTStrategy(algorithm="local_sgd")`` or
-``"diloco"``.
+``"diloco"``. When each sync opens and finishes is decided by :class:`~lightning_ft.algorithms.schedule.SyncSchedule`;
+this callback carries the decisions out in Lightning's loop (the quorum, the allreduce, the vote, joining a sync).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lightning_ft import lightning_internals as lightning
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.diloco import DiLoCoSync
 from lightning_ft.algorithms.local_sgd import local_sgd_sync
+from lightning_ft.algorithms.schedule import SyncSchedule
 from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.errors import StrategyRequiredError
 from lightning_ft.settings import FTConfigError
@@ -61,11 +63,9 @@ class SyncCallback(Callback):
 
     def __init__(self) -> None:
         self._joined = False
-        self._last_sync_step: int | None = None
-        self._opened_at: int | None = None  # global_step at which the latest sync's quorum opened
+        self._schedule = SyncSchedule(period=1)  # the fit's, from setup on: when each sync opens and finishes
         self._in_flight: int | None = None  # the DiLoCo fragment whose allreduce overlaps the inner steps
         self._reason = ""
-        self._fragment_sync_delay = 0
         self._diloco: DiLoCoSync | None = None
         self._restored_diloco: dict[str, Any] | None = None
         # This group's final syncs still to run, the one being opened included: in the heal payload, so that a group
@@ -80,11 +80,11 @@ class SyncCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _algorithm(trainer)
+        algorithm = _algorithm(trainer)
         self._joined = False
-        self._last_sync_step = self._opened_at = self._in_flight = None
+        self._schedule = SyncSchedule(period=algorithm.sync_period, delay=algorithm.fragment_sync_delay)
+        self._in_flight = None
         self._reason = ""
-        self._fragment_sync_delay = _algorithm(trainer).fragment_sync_delay
         self._diloco = None
         self._restored_diloco = None  # Lightning restores a checkpoint after setup (see on_load_checkpoint)
         self._final_syncs_left = self._peers_final_syncs_left = 0
@@ -148,7 +148,7 @@ class SyncCallback(Callback):
         """Open the sync's quorum; with synchronous quorum a group that is behind heals in here."""
         ft_step_protocol(trainer).open_quorum()
         self._reason = reason
-        self._opened_at = trainer.global_step
+        self._schedule.opened(trainer.global_step)
 
     def _prepare(self, trainer: pl.Trainer) -> None:
         """Start a DiLoCo fragment's allreduce and let the next inner steps train while it is in flight."""
@@ -173,7 +173,7 @@ class SyncCallback(Callback):
         finally:
             self._in_flight = None
             protocol.close()
-        self._last_sync_step = trainer.global_step
+        self._schedule.finished(trainer.global_step)
         if events.enabled():
             events.emit(
                 "step",
@@ -182,7 +182,7 @@ class SyncCallback(Callback):
                 committed=committed,
                 participants=manager.num_participants(),
                 sync=self._reason,
-                opened_at=self._opened_at,
+                opened_at=self._schedule.opened_at,
             )
         if committed and manager.current_step() == 1 and trainer.world_size > 1:
             # init_sync healed each group rank from a possibly different group (see broadcast_state_in_group).
@@ -211,15 +211,13 @@ class SyncCallback(Callback):
         self._open(trainer, "join")
         if self._peers_final_syncs_left:  # healed inside the quorum (synchronous quorum)
             self._join_final_syncs(trainer, finished=False)
-        step, period, delay = trainer.global_step, _algorithm(trainer).sync_period, self._fragment_sync_delay
-        since_opening = (step + delay) % period  # inner steps since the latest sync's opening step
-        if ft_manager(trainer).current_step() == 0 or (since_opening == 0 and not delay):
+        step, committed_syncs = trainer.global_step, ft_manager(trainer).current_step()
+        move = self._schedule.join(step, committed_syncs)
+        if move == "finish":
             self._finish(trainer)
-        elif since_opening > delay:
+        elif move == "release":
             ft_step_protocol(trainer).release()
-            events.emit("joined_between_syncs", global_step=step, step=ft_manager(trainer).current_step())
-        elif step % period == 0:
-            self._finish(trainer)
+            events.emit("joined_between_syncs", global_step=step, step=committed_syncs)
         else:
             self._prepare(trainer)
         if self._peers_final_syncs_left:  # healed at the join sync's vote (asynchronous quorum, LocalSGD only)
@@ -273,12 +271,12 @@ class SyncCallback(Callback):
             self._joined = True
             self._join(trainer)
             return
-        step, period = trainer.global_step, _algorithm(trainer).sync_period
-        if self._in_flight is not None and step % period == 0 and step != self._opened_at:
+        step, schedule = trainer.global_step, self._schedule
+        if self._in_flight is not None and schedule.finishes_in_flight(step):
             self._finish(trainer)
-        if self._in_flight is None and (step + self._fragment_sync_delay) % period == 0 and step != self._opened_at:
+        if self._in_flight is None and schedule.opens(step):
             self._open(trainer, "periodic")
-            if self._fragment_sync_delay:
+            if schedule.overlapped:
                 self._prepare(trainer)
             else:
                 self._finish(trainer)
@@ -302,9 +300,7 @@ class SyncCallback(Callback):
         if self._joined_final_epoch_progress is not None:
             trainer.fit_loop.epoch_progress.load_state_dict(self._joined_final_epoch_progress)
             return
-        step = trainer.global_step
-        final = step % _algorithm(trainer).sync_period == 0 and step != self._last_sync_step
-        if not final:
+        if not self._schedule.ends_with_final_syncs(trainer.global_step):
             if self._in_flight is not None:
                 self._finish(trainer)
             return
