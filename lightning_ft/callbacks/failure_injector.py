@@ -68,7 +68,7 @@ class Failure:
             (``at="allreduce"`` only: the step's allreduce runs, so the peers complete it, but here it never
             completes, until the collective timeout fails it; the process keeps heartbeating. This is what a
             survivor sees when Gloo loses a send after a peer died mid-allreduce; see
-            ``lightning_ft.manager.left_behind``).
+            ``lightning_ft.process_group.left_behind``).
         step: ``trainer.global_step`` at which it fires.
         group: Replica group id; ``None`` for every group.
         rank: Rank inside the group.

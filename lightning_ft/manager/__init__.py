@@ -1,26 +1,22 @@
-"""The torchft seam: every touch of torchft's internals, and everything built around one replica group's Manager.
+"""The torchft seam for the Manager: everything built around one replica group's Manager, and every touch of its
+internals. torchft's process groups have the other half of the seam, :mod:`lightning_ft.process_group`.
 
-Outside this folder, lightning-ft uses torchft's public API and the public methods of these modules only; a torchft
-upgrade is a diff here. The modules:
+Outside these two folders, lightning-ft uses torchft's public API and the public methods of their modules only; a
+torchft upgrade is a diff there. The modules here:
 
 * :mod:`.builder`: builds the group's Manager, its store, its cross-group process group, its checkpoint transport
   and its RPC client, composed once (:func:`~.builder.composed_client`).
 * :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
-* :mod:`.listeners`, :mod:`.quorum_store`: where the Manager's listeners bind, and lightning-ft's cross-group
-  process group classes: the dead-store probe and the members' arrival (:mod:`.arrival`) before each
-  reconfiguration, and the watch over every operation (:mod:`.left_behind`), which gives up a collective that the
-  other members have left, as read from the marker a group leaves in its old quorum's store when it moves on
-  (:mod:`.moved_on`).
+* :mod:`.listeners`: where the Manager's listeners bind (its ManagerServer, the group's store, Gloo's address).
 * :mod:`.http_transport`, :mod:`.telemetry`: the heal transport (safe loading), and the figures of quorum waits and
   heals.
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
   group's vote in process).
 * :mod:`.lighthouse_status`: the one reader of the lighthouse's HTML status page.
-* :mod:`.torchft_api`: which process-group API the installed torchft offers, and the rendezvous read from it.
 
-Which process-group API the installed torchft has (0.2's ``configure`` or 0.3's ``reconfigure``) is decided once, in
-:mod:`.torchft_api`. What torchft internals are relied on, why, and which upstream hook would remove each:
+What torchft internals are relied on here and in :mod:`lightning_ft.process_group`, why, and which upstream hook would
+remove each:
 
 ========================================== ============================================ ===============================
 Internal                                   Why                                          Upstream hook that removes it
@@ -47,11 +43,11 @@ Internal                                   Why                                  
 ``ProcessGroupWrapper._pg``, ``._timeout`` set a group aside without Gloo's blocking    a ``reset()`` on the wrapper
                                            abort; the failure injector's stuck faults
 ``ProcessGroupWrapper._wrap_work``         watch every operation, and give up one the   a cancellable work, or Gloo
-                                           other members have left (:mod:`.left_behind`) aborting a pending send
+                                           other members have left (``left_behind``)    aborting a pending send
 ``ProcessGroupGloo._create_pg``,           bind Gloo to the advertised address; fail    a bind address option; a
 ``configure`` (0.2), ``reconfigure``,      a reconfiguration through a dead store at    pre-rendezvous hook
 ``_handle_id``, ``_rendezvous``,           once, wait for every member (:mod:`.listeners`,
-``_rendezvous_store`` (0.3)                :mod:`.quorum_store`, :mod:`.torchft_api`);
+``_rendezvous_store`` (0.3)                ``quorum_store``, ``torchft_api``);
                                            0.3: advertise the rendezvous store at the   a host option for the
                                            group's address                              rendezvous store
 ``DiLoCo._fragments``, a fragment's        DiLoCo's checkpoint (global parameters,      public ``fragments`` and

@@ -61,9 +61,9 @@ from lightning_ft.manager.internals import (
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
-from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.manager.vote_inputs import VoteInputs
+from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft_job.addresses import is_loopback, numeric_host
 from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
@@ -99,7 +99,7 @@ def build_cross_group_process_group(settings: FTSettings, device: torch.device, 
 
     Gloo binds to the advertised address when the user chose one or it is loopback, unless ``GLOO_SOCKET_IFNAME``
     says otherwise; by default it keeps its own choice (the address the machine's name resolves to). Every variant
-    fails a reconfiguration through a dead primary's store at once (:mod:`lightning_ft.manager.quorum_store`). On
+    fails a reconfiguration through a dead primary's store at once (:mod:`lightning_ft.process_group.quorum_store`). On
     torchft 0.3, where each process group hosts a rendezvous store, that store follows the advertised address too.
     """
     process_group = _cross_group_process_group(settings, device, hostname)

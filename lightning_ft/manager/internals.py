@@ -8,7 +8,7 @@ They take any Manager (or a test's stand-in with the same attributes):
   remove it: a public accessor for the process group the Manager was built with.
 * :func:`abort_cross_group_process_group` and :func:`set_aside_if_left_behind`: end the current Gloo group after a
   failed step, at once or (when one of its operations was given up) without waiting for it. The second is
-  lightning-ft's own process group class (:mod:`lightning_ft.manager.quorum_store`), which reaches into
+  lightning-ft's own process group class (:mod:`lightning_ft.process_group.quorum_store`), which reaches into
   ``ProcessGroupWrapper._pg`` and ``._timeout``. torchft's nightly reconfigures the group with ``reconfigure(...)``
   instead of ``configure``; both only need "drop the current inner group", which a ``reset()`` upstream would give.
 * :func:`process_group_timeout`: the wrapper's collective timeout (``ProcessGroupWrapper._timeout``).
@@ -46,7 +46,7 @@ from torchft._torchft import ManagerClient
 from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from torchft.process_group import ProcessGroup
 
-from lightning_ft.manager.left_behind import LeftBehindWatch
+from lightning_ft.process_group.left_behind import LeftBehindWatch
 
 
 def new_manager_client(manager: Manager, connect_timeout: timedelta) -> Callable[[], Any]:
@@ -104,8 +104,9 @@ def abort_cross_group_process_group(manager: Manager) -> bool:
 
 
 def left_behind_watch(manager: Manager) -> LeftBehindWatch | None:
-    """The watch over the cross-group process group's pending operations (:mod:`lightning_ft.manager.left_behind`),
-    or None for a process group that does not watch them (NCCL, or one lightning-ft did not build)."""
+    """The watch over the cross-group process group's pending operations
+    (:mod:`lightning_ft.process_group.left_behind`), or None for a process group that does not watch them (NCCL, or
+    one lightning-ft did not build)."""
     process_group = getattr(manager, "_pg", None)
     if not getattr(process_group, "watches_collectives", False):
         return None
@@ -115,7 +116,7 @@ def left_behind_watch(manager: Manager) -> LeftBehindWatch | None:
 
 def set_aside_if_left_behind(manager: Manager) -> bool:
     """Set the cross-group Gloo group aside, unaborted, if one of its operations was given up; returns whether it
-    did (:meth:`lightning_ft.manager.quorum_store.BoundedWaitsMixin.set_aside_if_left_behind`)."""
+    did (:meth:`lightning_ft.process_group.quorum_store.BoundedWaitsMixin.set_aside_if_left_behind`)."""
     set_aside = getattr(getattr(manager, "_pg", None), "set_aside_if_left_behind", None)
     return bool(set_aside()) if set_aside is not None else False
 

@@ -30,7 +30,7 @@ import torchft.manager
 from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
 from torch.distributed import Store, TCPStore
 
-from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
+from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo
 from lightning_ft_job.addresses import family_of, is_loopback, numeric_host, url_host
 
 

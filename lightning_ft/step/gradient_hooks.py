@@ -125,7 +125,7 @@ def cross_group_average(
     the Manager (``report_error``), which then votes against the step. A hung collective fails through the
     process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
     Manager's timer on top (``state.needs_manager_timeout``). An allreduce that the other groups have left behind
-    fails earlier, through lightning-ft's Gloo process group (:mod:`lightning_ft.manager.left_behind`).
+    fails earlier, through lightning-ft's Gloo process group (:mod:`lightning_ft.process_group.left_behind`).
     """
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
@@ -196,8 +196,8 @@ def install_ddp_cross_group_hook(
     """Register :func:`ft_allreduce_hook` on the group's DDP wrapper; returns its state.
 
     Gloo's own timeout bounds a hung allreduce (and lightning-ft's Gloo process group gives up one that the other
-    members have left behind: :mod:`lightning_ft.manager.left_behind`); other process groups get the Manager's timer
-    on top of their own timeout.
+    members have left behind: :mod:`lightning_ft.process_group.left_behind`); other process groups get the Manager's
+    timer on top of their own timeout.
     """
     gloo = crosses_groups_over_gloo(manager)
     state = FTCommState(

@@ -274,7 +274,7 @@ class StepProtocol:
         lighthouse hand out a new quorum id, and a new quorum id reconfigures the process group (until then torchft's
         ``allreduce`` is a no-op, the step having errored). A step rejected for a non-finite gradient leaves the
         process group alone: every collective of it succeeded. A process group with an operation that was given up
-        (:mod:`lightning_ft.manager.left_behind`) is set aside instead: Gloo's abort would block until it ends.
+        (:mod:`lightning_ft.process_group.left_behind`) is set aside instead: Gloo's abort would block until it ends.
         """
         error = self.manager.errored()
         if error is None or isinstance(error.original_exception, NonFiniteGradientError):

@@ -1,5 +1,5 @@
-"""lightning_ft.manager.left_behind and .arrival: a collective the other groups have left behind is given up, and a
-quorum member that never arrives gives the quorum up, instead of either being waited out.
+"""lightning_ft.process_group.left_behind and .arrival: a collective the other groups have left behind is given up,
+and a quorum member that never arrives gives the quorum up, instead of either being waited out.
 
 Unit tests drive :class:`LeftBehindWatch` with a fake moved-on signal, a fake clock and works with real torch
 futures; others run :class:`MovedOnSignal` and the arrival barrier against a real TCPStore, as members of one quorum
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from lightning_ft.manager.arrival import QuorumMemberMissingError, wait_for_every_member
-from lightning_ft.manager.left_behind import CollectiveLeftBehindError, LeftBehindWatch
-from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal, MovedOnUnknown
-from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo, store_refuses_connections
+from lightning_ft.process_group.arrival import QuorumMemberMissingError, wait_for_every_member
+from lightning_ft.process_group.left_behind import CollectiveLeftBehindError, LeftBehindWatch
+from lightning_ft.process_group.moved_on import MovedOn, MovedOnSignal, MovedOnUnknown
+from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, store_refuses_connections
 
 # The compatibility matrix runs these on every environment (`make compat`).
 pytestmark = pytest.mark.compat

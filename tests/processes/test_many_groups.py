@@ -1,8 +1,8 @@
 """Many replica groups at once: 8 groups of one process, with a quarter of them SIGKILLed in the same moment.
 
 Marked ``scale``: eight training processes and two restarts take about a minute on 2 cores, so ``make test`` leaves it
-out and ``make test-extra`` runs it. ``benchmarks/scale.py`` and ``benchmarks/lighthouse_scale.py`` measure how the
-costs grow with the number of groups.
+out and ``make test-extra`` runs it. ``benchmarks/scale/scale.py`` and ``benchmarks/scale/lighthouse_scale.py``
+measure how the costs grow with the number of groups.
 """
 
 from __future__ import annotations

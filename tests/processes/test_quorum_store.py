@@ -1,5 +1,5 @@
-"""lightning_ft.manager.quorum_store: a reconfiguration through a dead primary's store fails at once, not after the
-timeout.
+"""lightning_ft.process_group.quorum_store: a reconfiguration through a dead primary's store fails at once, not after
+the timeout.
 
 The store is a real TCPStore server in a process of its own, SIGKILLed by PID before the reconfiguration, and the
 process group is lightning-ft's real Gloo process group with a 600-s timeout: torch's TCPStore client would retry the
@@ -16,13 +16,13 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_ft.manager.quorum_store import (
+from lightning_ft.process_group.quorum_store import (
     QuorumStoreGoneError,
     StoreCheckedProcessGroupGloo,
     fail_if_store_gone,
     store_host_port,
 )
-from lightning_ft.manager.torchft_api import reconfigure_without_manager
+from lightning_ft.process_group.torchft_api import reconfigure_without_manager
 
 # The compatibility matrix runs these on every environment (`make compat`).
 pytestmark = pytest.mark.compat

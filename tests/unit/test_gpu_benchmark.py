@@ -1,6 +1,6 @@
-"""``benchmarks/gpu_step.py`` as far as a machine without a GPU can run it: its arguments, the GPU idle arithmetic, the
-order of the modes, the worker's command, and the table of a recorded results file (a lent GPU's run, kept in
-``benchmarks/results/``)."""
+"""``benchmarks/gpu/gpu_step.py`` as far as a machine without a GPU can run it: its arguments, the GPU idle arithmetic,
+the order of the modes, the worker's command, and the table of a recorded results file (a lent GPU's run, kept in
+``benchmarks/results/gpu_step/``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from support import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-gpu_step = importlib.import_module("gpu_step")
+if str(REPO) not in sys.path:  # the benchmarks are the package ``benchmarks`` at the repository's root
+    sys.path.insert(0, str(REPO))
+gpu_step = importlib.import_module("benchmarks.gpu.gpu_step")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +53,7 @@ def test_the_worker_gets_the_configurations_and_lengths(tmp_path):
 
 
 def recorded_results() -> dict:
-    recorded = sorted((REPO / "benchmarks" / "results").glob("gpu_step_*.json"))
+    recorded = sorted((REPO / "benchmarks" / "results" / "gpu_step").glob("*.json"))
     if recorded:
         return json.loads(recorded[-1].read_text())
     record = {"precision": "bf16-mixed", "size": "10ms", "rows": 8192, "implicit_syncs_per_step": 0.0}

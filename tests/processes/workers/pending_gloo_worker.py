@@ -17,10 +17,10 @@ from datetime import timedelta
 import torch
 
 from lightning_ft.manager import arrival, quorum_store
-from lightning_ft.manager.left_behind import CollectiveLeftBehindError, LeftBehindWatch
-from lightning_ft.manager.moved_on import MovedOn
-from lightning_ft.manager.quorum_store import StoreCheckedProcessGroupGloo
-from lightning_ft.manager.torchft_api import reconfigure_without_manager
+from lightning_ft.process_group.left_behind import CollectiveLeftBehindError, LeftBehindWatch
+from lightning_ft.process_group.moved_on import MovedOn
+from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo
+from lightning_ft.process_group.torchft_api import reconfigure_without_manager
 
 GLOO_TIMEOUT = timedelta(seconds=600)
 # What is under test is an allreduce left pending, not the members' arrival: the test starts the two ranks one after

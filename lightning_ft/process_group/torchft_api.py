@@ -6,7 +6,7 @@ replaced that with ``set_rank_info()``, ``get_reconfigure_handle()`` and ``recon
 member sends a handle with its quorum request, the quorum answers every member's handle in order, and all members
 rendezvous on a TCPStore that the *first member's process group* hosts, under ``/torchft/<quorum id>``.
 
-lightning-ft's bounded waits (:mod:`lightning_ft.manager.quorum_store`) run before either entry point, from the same
+lightning-ft's bounded waits (:mod:`.quorum_store`) run before either entry point, from the same
 four facts: the rendezvous store's address, this member's rank, the world size and the quorum id.
 :func:`rendezvous_of` reads them from a ``reconfigure`` call the way torchft itself does.
 """

@@ -1,8 +1,8 @@
 """lightning-ft's cross-group process groups: no wait of theirs outlasts a dead member for longer than a bound.
 
 Three waits are bounded here: a reconfiguration through a dead primary's store (below), a rendezvous with a dead
-member (:mod:`lightning_ft.manager.arrival`), and a collective the other members have left
-(:mod:`lightning_ft.manager.left_behind`).
+member (:mod:`lightning_ft.process_group.arrival`), and a collective the other members have left
+(:mod:`lightning_ft.process_group.left_behind`).
 
 The first failure this answers (seen in the two-kill chaos test, here and in CI): a group sends its quorum request and
 dies before the quorum forms. Its heartbeats are still fresh (the lighthouse's heartbeat timeout has not passed), so
@@ -22,9 +22,9 @@ the probe (accepted, timed out, unreachable) leaves the connection to torchft as
 
 A dead member that is *not* the primary leaves the store alive, and Gloo's rendezvous would wait for the dead
 member's address until the timeout, inside native code where no thread can give it up. Every member therefore first
-waits for the others in Python (:mod:`lightning_ft.manager.arrival`), where a missing member gives the quorum up
+waits for the others in Python (:mod:`lightning_ft.process_group.arrival`), where a missing member gives the quorum up
 within a second. The same classes wrap every operation of the Gloo process group in a watch that gives up a
-collective the other members have left (:mod:`lightning_ft.manager.left_behind`), and set aside, instead of
+collective the other members have left (:mod:`lightning_ft.process_group.left_behind`), and set aside, instead of
 aborting, a process group that holds one.
 """
 
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
 from lightning_ft.errors import LightningFTError
-from lightning_ft.manager import torchft_api
-from lightning_ft.manager.arrival import wait_for_every_member
-from lightning_ft.manager.left_behind import LeftBehindWatch
-from lightning_ft.manager.moved_on import MovedOn, MovedOnSignal
+from lightning_ft.process_group import torchft_api
+from lightning_ft.process_group.arrival import wait_for_every_member
+from lightning_ft.process_group.left_behind import LeftBehindWatch
+from lightning_ft.process_group.moved_on import MovedOn, MovedOnSignal
 from lightning_ft_job import events
 
 PROBE_TIMEOUT_S = 5.0
@@ -86,10 +86,10 @@ def fail_if_store_gone(store_addr: str, timeout: float = PROBE_TIMEOUT_S) -> Non
 
 class BoundedWaitsMixin:
     """Mixin for torchft's reconfigurable process groups: :func:`fail_if_store_gone` before each reconfiguration, the
-    quorum's moved-on marker (:mod:`lightning_ft.manager.moved_on`: the previous quorum is marked as left, and
+    quorum's moved-on marker (:mod:`.moved_on`: the previous quorum is marked as left, and
     :attr:`moved_on_signal` reads the new one's), and every member's arrival before the rendezvous
-    (:mod:`lightning_ft.manager.arrival`). Both of torchft's entry points lead here: ``configure`` (torchft 0.2) and
-    ``reconfigure`` (0.3; :mod:`lightning_ft.manager.torchft_api`).
+    (:mod:`.arrival`). Both of torchft's entry points lead here: ``configure`` (torchft 0.2) and
+    ``reconfigure`` (0.3; :mod:`.torchft_api`).
 
     With ``watches_collectives`` (Gloo), every operation is handed out through :attr:`left_behind_watch`, and a
     process group holding an operation that was given up is set aside instead of aborted."""

@@ -5,7 +5,7 @@ still fresh, so the lighthouse puts it in the quorum, and every member then buil
 through the quorum's store. Gloo's rendezvous waits for the dead member's address until the process group's timeout
 (``FTStrategy(timeout=...)``, 60 s by default), inside native code where it cannot be given up: a thread still in
 the rendezvous when the process exits returns into Python during interpreter shutdown and aborts the process.
-(A dead *primary* member, whose store is gone, fails at once: :mod:`lightning_ft.manager.quorum_store`.)
+(A dead *primary* member, whose store is gone, fails at once: :mod:`lightning_ft.process_group.quorum_store`.)
 
 So before the rendezvous each member announces itself in the quorum's store (one key per member, under the process
 group's own prefix) and waits, in Python and in short slices, until every member has. Members of one quorum receive

@@ -3,7 +3,7 @@
 A cross-group collective can only complete while every member of its quorum takes part. A member that has formed a
 newer quorum has abandoned the old one: torchft reconfigures its process group at once, which ends its part of any
 collective of the old quorum. So a member still waiting in such a collective waits for nothing
-(:mod:`lightning_ft.manager.left_behind` then gives the collective up instead of waiting out its timeout).
+(:mod:`lightning_ft.process_group.left_behind` then gives the collective up instead of waiting out its timeout).
 
 The signal is this project's own, and needs nothing from the lighthouse: every member of quorum *Q* at group rank
 *r* reaches its process group through the same store prefix (``<primary's store>/torchft/<Q>/<r>``, torchft's
@@ -78,7 +78,7 @@ class MovedOnSignal:
 
     Args:
         store_gone: Whether the store at an address refuses connections
-            (:func:`lightning_ft.manager.quorum_store.store_refuses_connections`).
+            (:func:`lightning_ft.process_group.quorum_store.store_refuses_connections`).
         connect: Opens a store client for a ``host:port/prefix`` address (replaceable in tests).
     """
 

@@ -12,19 +12,19 @@ another thread while an operation is pending blocks until that operation ends by
 the reconfiguration at the next quorum, which aborts the old process group first.
 
 What this module does instead, for every operation of lightning-ft's Gloo cross-group process group
-(:mod:`lightning_ft.manager.quorum_store` wraps each one): the DDP and FSDP2 gradient hooks' allreduces, the
+(:mod:`lightning_ft.process_group.quorum_store` wraps each one): the DDP and FSDP2 gradient hooks' allreduces, the
 LocalSGD and DiLoCo syncs, the sync sections' and consistency checks' collectives, a heal's transfer alike.
 
 * Each operation's ``Work`` is handed out wrapped (:meth:`LeftBehindWatch.track`): its future completes with the
   operation's own result or error, as usual.
 * While one has been pending for longer than ``check_after`` seconds, a watchdog thread asks, once per ``interval``,
   whether another member of the quorum has left it: the marker that member wrote in the quorum's own store when it
-  moved on to a newer quorum or finished (:mod:`lightning_ft.manager.moved_on`; a store gone with its primary
+  moved on to a newer quorum or finished (:mod:`lightning_ft.process_group.moved_on`; a store gone with its primary
   member counts too). If so, the watchdog gives the operation up: its future fails with
   :class:`CollectiveLeftBehindError`, which torchft's Manager (``Manager.allreduce``'s work, ``wrap_future``) and
   lightning-ft's DDP hook report as the step's error: the step does not commit, and the waiting thread goes on.
 * When an operation *fails* here (a peer died in it and closed the connection), the watchdog marks the quorum as
-  abandoned at once (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.abandon`): a member still waiting in the same
+  abandoned at once (:meth:`.moved_on.MovedOnSignal.abandon`): a member still waiting in the same
   collective, whose send is lost, then gives it up at its next read instead of waiting until some member moves on,
   which with DiLoCo can take until the dead group restarts.
 * The process group holding a given-up operation is set aside, not aborted (:meth:`LeftBehindWatch.take_left_behind`
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ft.errors import LightningFTError
-from lightning_ft.manager.moved_on import MovedOn, MovedOnUnknown
+from lightning_ft.process_group.moved_on import MovedOn, MovedOnUnknown
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -124,9 +124,9 @@ class LeftBehindWatch:
 
     Args:
         moved_on: Whether another member has left the current quorum
-            (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.moved_on`).
+            (:meth:`lightning_ft.process_group.moved_on.MovedOnSignal.moved_on`).
         abandon: Marks a quorum as abandoned after one of its operations failed here
-            (:meth:`lightning_ft.manager.moved_on.MovedOnSignal.abandon`); called from the watchdog thread.
+            (:meth:`.moved_on.MovedOnSignal.abandon`); called from the watchdog thread.
         quorum_id: The process group's current quorum id (for the error and the event).
         clock: Time source (replaceable in tests).
         check_after: Seconds an operation may be pending before the quorum's store is read.
