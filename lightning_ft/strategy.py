@@ -46,6 +46,7 @@ from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.errors import NotAvailableError
 from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
+from lightning_ft.heal.state import state_fingerprint
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.settings import (
@@ -59,7 +60,6 @@ from lightning_ft.settings import (
 )
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.lifecycle import GroupLifecycle
-from lightning_ft.state import state_fingerprint
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook, install_ddp_cross_group_hook

@@ -22,8 +22,8 @@ from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.algorithms.schedule import SyncSchedule
 from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.errors import StrategyRequiredError
+from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft.settings import FTConfigError
-from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft_job import events
 
 SYNC_STATE_KEY = "semi_sync"

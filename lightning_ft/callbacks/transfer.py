@@ -11,14 +11,14 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_step_protocol, is_semi_sync
-from lightning_ft.manager import FTManager
-from lightning_ft.state import (
+from lightning_ft.heal.state import (
     STATE_KEY,
     align_step_counters,
     apply_training_state,
     capture_training_state,
     check_training_state,
 )
+from lightning_ft.manager import FTManager
 from lightning_ft_job import events
 
 # A child of Lightning's logger, so it prints wherever Lightning's messages do, but on every group: a heal is news
@@ -29,10 +29,10 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 class StateTransferCallback(Callback):
     """Registers the whole training state with the torchft Manager for healing.
 
-    The Manager calls :func:`~lightning_ft.state.capture_training_state` on a live peer and
-    :func:`~lightning_ft.state.apply_training_state` on the healing replica, on the training thread, at a safe point
-    (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's step
-    counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
+    The Manager calls :func:`~lightning_ft.heal.state.capture_training_state` on a live peer and
+    :func:`~lightning_ft.heal.state.apply_training_state` on the healing replica, on the training thread, at a safe
+    point (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's
+    step counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
     arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
 
     The model's buffers travel as the sender last committed them (:mod:`lightning_ft.step.buffers`).

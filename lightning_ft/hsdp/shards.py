@@ -9,7 +9,7 @@ different object in every process (the HTTP transport would pickle it, the proce
 it from a spec that names the sender's mesh). Only the local tensor and enough metadata to check it are sent; the
 receiver wraps it into a DTensor on its *own* mesh, after checking that the global shape, the placements and the
 local shape all match. A mismatch (groups of different sizes, another model) is an
-:class:`~lightning_ft.state.IncompatibleReplicaError`-style failure, never a silent misload.
+:class:`~lightning_ft.heal.state.IncompatibleReplicaError`-style failure, never a silent misload.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def is_shard(value: Any) -> bool:
 def to_local_shards(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by ``{SHARD_KEY: local tensor, "global_shape": ..., "placements": ...}``.
 
-    The local tensor is shared with the DTensor, not copied (see :func:`lightning_ft.state.capture_training_state`).
+    The local tensor is shared with the DTensor, not copied (:func:`lightning_ft.heal.state.capture_training_state`).
     Plain dicts and lists keep the payload a pytree that both transports walk.
     """
     if isinstance(tree, DTensor):

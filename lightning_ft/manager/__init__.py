@@ -9,8 +9,8 @@ torchft upgrade is a diff there. The modules here:
 * :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
 * :mod:`.listeners`: where the Manager's listeners bind (its ManagerServer, the group's store, Gloo's address).
-* :mod:`.http_transport`, :mod:`.telemetry`: the heal transport (safe loading), and the figures of quorum waits and
-  heals.
+* :mod:`.telemetry`: the figures of quorum waits and heals (the heal's transport is
+  :mod:`lightning_ft.heal.http_transport`).
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
   group's vote in process).
 * :mod:`.lighthouse_status`: the one reader of the lighthouse's HTML status page.

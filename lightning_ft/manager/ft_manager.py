@@ -29,7 +29,7 @@ import torch
 from torchft import Manager
 from typing_extensions import override
 
-from lightning_ft.manager.http_transport import RefusedPeerStateError
+from lightning_ft.heal.http_transport import RefusedPeerStateError
 
 
 @dataclass(frozen=True)

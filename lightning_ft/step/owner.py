@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ft.state import align_logger_step, align_step_counters, broadcast_state_in_group
+from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft.step.gradient_hooks import FTCommState
 from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
 from lightning_ft_job import events

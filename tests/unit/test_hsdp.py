@@ -16,13 +16,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_ft import FTConfigError, FTStrategy
-from lightning_ft.hsdp.shards import SHARD_KEY
-from lightning_ft.state import (
+from lightning_ft.heal.state import (
     IncompatibleReplicaError,
     apply_training_state,
     capture_training_state,
     state_fingerprint,
 )
+from lightning_ft.hsdp.shards import SHARD_KEY
 from lightning_ft.step.gradient_hooks import fsdp_cross_group_hook
 from lightning_ft.step.protocol import QuorumNotStartedError, StepProtocol
 

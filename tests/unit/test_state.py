@@ -6,7 +6,7 @@ import pytest
 import torch
 from support import Regressor, loader, trainer
 
-from lightning_ft.state import (
+from lightning_ft.heal.state import (
     IncompatibleReplicaError,
     apply_training_state,
     capture_training_state,

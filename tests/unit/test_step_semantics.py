@@ -187,7 +187,7 @@ class OverflowOnce(pl.Callback):
 def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_travels():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_ft.state import apply_training_state, capture_training_state
+    from lightning_ft.heal.state import apply_training_state, capture_training_state
 
     counter = CountCalls()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

@@ -1,0 +1,13 @@
+"""Healing: what travels from a live peer to a group that is behind, how it travels, and how it is vetted and applied.
+
+One heal, in order (``docs/architecture.md`` draws it):
+
+* :mod:`.state`: what "the training state" is (model, optimizers, schedulers, GradScaler, callbacks' state, loop
+  counters), captured on the live peer and applied on the healing group;
+* :class:`~lightning_ft.callbacks.StateTransferCallback` registers that state with the Manager;
+  :class:`~lightning_ft.callbacks.DataPositionCallback` adds the loop position, which the healing group applies to its
+  own shard;
+* :mod:`.http_transport`: how it travels (torchft's HTTP transport, loaded with ``weights_only``, bound to the
+  group's advertised address);
+* :class:`~lightning_ft.manager.FTManager` vets what arrived (keys, shapes) before torchft applies it.
+"""
