@@ -241,3 +241,21 @@ def test_ddp_and_fsdp_inside_a_group_are_two_objects_behind_one_interface():
             assert list(inspect.signature(getattr(implementation, name)).parameters) == wanted, (implementation, name)
     source = (REPO / "lightning_ft" / "strategy.py").read_text()
     assert "if self.data_parallel.sharded" not in source and "not self.data_parallel.sharded" not in source
+
+
+def test_the_architecture_page_names_only_what_exists_and_every_folder():
+    """``docs/architecture.md`` stays true to the code: each file it names (``x.py``, ``folder/``, a path) exists in
+    the repository, and each folder of the library has its row in the page's table."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    every_file = {path.relative_to(REPO).as_posix() for path in REPO.rglob("*.py") if ".venv" not in path.parts}
+    missing = []
+    for name in sorted(set(re.findall(r"`([A-Za-z_][\w/]*\.py)`", page))):
+        if not any(path == name or path.endswith("/" + name) for path in every_file):
+            missing.append(name)
+    folders = {path.parent.name for path in (REPO / "lightning_ft").glob("*/__init__.py")}
+    for name in sorted(set(re.findall(r"`([a-z_]+)/`", page))):
+        if name not in folders:
+            missing.append(name + "/")
+    assert not missing, f"named in docs/architecture.md but not in the code: {missing}"
+    absent = sorted(folder for folder in folders if f"`{folder}/`" not in page)
+    assert not absent, f"library folders without a row in docs/architecture.md: {absent}"
