@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra compat test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers bench-gpu fault-matrix
+.PHONY: demo test test-extra compat test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
+    bench-gpu bench-kill-loop bench-data-modes fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,53 +39,67 @@ compat:
 test-repeat: $(STAMP)
 	$(BIN)/python tests/repeat.py $(ARGS)
 
-# The performance benchmarks of docs/benchmarks.md: step time and memory against DDPStrategy, heal throughput, goodput
-# and recovery against torchrun restarts, the cluster-scale model, and the table and plot of every figure against its
-# target. About 12 minutes on 2 CPU cores; run it on an otherwise idle machine.
+# The benchmarks (docs/benchmarks.md; benchmarks/README.md maps every table to its target, results and renderer). Each
+# driver is a module run from the repository root, `python -m benchmarks.<section>.<driver>`, and writes a new file
+# benchmarks/results/<section>/<UTC>_<commit>.json with the machine inside.
+# `make bench`: step time and memory against DDPStrategy, heal throughput, goodput and recovery against torchrun
+# restarts, the cluster-scale model, and the table and plot of every figure against its target. About 12 minutes on
+# 2 CPU cores; run it on an otherwise idle machine.
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
-	$(BIN)/python benchmarks/overhead.py
-	$(BIN)/python benchmarks/heal_throughput.py
-	$(BIN)/python benchmarks/goodput.py
-	$(BIN)/python benchmarks/cluster_model.py
-	$(BIN)/python benchmarks/report.py
+	$(BIN)/python -m benchmarks.overhead.overhead
+	$(BIN)/python -m benchmarks.heal.heal_throughput
+	$(BIN)/python -m benchmarks.goodput.goodput
+	$(BIN)/python -m benchmarks.performance.cluster_model
+	$(BIN)/python -m benchmarks.performance.report
 
 # The semi-synchronous benchmark (docs/benchmarks.md): about 15 minutes per seed on 2 CPU cores.
 # Extra arguments: make bench-semi-sync ARGS="--seeds 0 1"
 bench-semi-sync: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
-	$(BIN)/python benchmarks/semi_sync.py $(ARGS)
+	$(BIN)/python -m benchmarks.semi_sync.semi_sync $(ARGS)
 
-# The step-time zoo of docs/benchmarks.md section 6: 9 models x accumulation 1 and 4, 3 repetitions, about 36 minutes.
+# The step-time zoo (docs/benchmarks.md, Per-step cost over a zoo of models): 9 models x accumulation 1 and 4,
+# 3 repetitions, about 36 minutes; then torchft's protocol floor.
 bench-zoo: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
-	$(BIN)/python benchmarks/zoo.py $(ARGS)
-	$(BIN)/python benchmarks/protocol_floor.py
+	$(BIN)/python -m benchmarks.zoo.zoo $(ARGS)
+	$(BIN)/python -m benchmarks.zoo.protocol_floor
 
-# Many groups (docs/benchmarks.md section 7): N = 2..16 real groups, kills at N = 4..16, 1,000 simulated groups
-# and k heals at once (about 30 minutes), then the plot of every kept run.
+# Many groups (docs/benchmarks.md, Many replica groups): N = 2..16 real groups, kills at N = 4..16, 1,000 simulated
+# groups and k heals at once (about 30 minutes), then the plot of every kept run.
 bench-scale: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
-	$(BIN)/python benchmarks/scale.py
-	$(BIN)/python benchmarks/scale_kills.py
-	$(BIN)/python benchmarks/lighthouse_scale.py
-	$(BIN)/python benchmarks/heal_fanout.py
-	$(BIN)/python benchmarks/scale_plot.py
+	$(BIN)/python -m benchmarks.scale.scale
+	$(BIN)/python -m benchmarks.scale.scale_kills
+	$(BIN)/python -m benchmarks.scale.lighthouse_scale
+	$(BIN)/python -m benchmarks.scale.heal_fanout
+	$(BIN)/python -m benchmarks.scale.scale_plot
 
 # What averaging buffers costs (docs/benchmarks.md, Buffers): buffer_sync="average" against "off", about 4 minutes.
 bench-buffers: $(STAMP)
-	$(BIN)/python benchmarks/buffers.py $(ARGS)
+	$(BIN)/python -m benchmarks.buffers.buffers $(ARGS)
 
 # One GPU (docs/benchmarks.md, One sync per step): FTStrategy against no fault tolerance and DDPStrategy, fp32 and
 # bf16-mixed, 10 ms and 100 ms steps, GPU idle, a 1 GB CUDA heal; under 5 minutes. Installs nothing: it runs with the
-# machine's own python (a lent GPU machine has no network; docs/benchmarks.md says which wheels travel).
+# machine's own python (a lent GPU machine has no network; benchmarks/README.md says which wheels travel).
 bench-gpu:
-	python3 benchmarks/gpu_step.py $(ARGS)
+	python3 -m benchmarks.gpu.gpu_step $(ARGS)
+
+# The survivors' stall over many kills (docs/benchmarks.md, Recovery): 3 groups, one killed after another, about
+# 5 minutes for 27 kills on 2 CPU cores. The second campaign's runs: make bench-kill-loop ARGS="--path diloco
+# --where mixed --kills 60 --label r2_diloco" (and --path ddp, hsdp); the table: ARGS="--report <files>".
+bench-kill-loop: $(STAMP)
+	$(BIN)/python -m benchmarks.kill_loop.kill_loop $(ARGS)
+
+# What exactly-once data costs (docs/benchmarks.md, Exactly-once data): 3 data modes x 3 repetitions, about 3 minutes.
+bench-data-modes: $(STAMP)
+	$(BIN)/python -m benchmarks.data_modes.data_modes $(ARGS)
 
 # The fault test matrix with its measured figures (docs/reliability.md): about 10 minutes on 2 CPU cores.
 # ARGS="--soak" adds the 20-kill soak run.
 fault-matrix: $(STAMP)
-	$(BIN)/python benchmarks/fault_matrix.py $(ARGS)
+	$(BIN)/python -m benchmarks.fault_matrix.fault_matrix $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -191,7 +191,7 @@ def test_lighthouse_command_serves_until_sigterm():
 
 
 def test_the_command_line_tool_imports_neither_lightning_nor_torch_and_its_lighthouse_forms_quorums():
-    """The launcher's start-up is on every job's critical path (docs/benchmarks.md §4): importing the command's
+    """The launcher's start-up is on every job's critical path (benchmarks/HISTORY.md §4): importing the command's
     modules and starting a lighthouse must not import Lightning or torch. A torchft importing later in the same
     process must still find the lighthouse's native module, and a real Manager client must get a quorum from it."""
     script = (

@@ -1,0 +1,1 @@
+"""What averaging buffers costs (docs/benchmarks.md, *Buffers*)."""

@@ -1,0 +1,1 @@
+"""Code the benchmark drivers share: running jobs, naming results and recording the machine, the models."""

@@ -1,0 +1,1 @@
+"""What exactly-once data costs (docs/benchmarks.md, *Exactly-once data*)."""

@@ -1,0 +1,1 @@
+"""The fault test matrix with its measured figures (docs/reliability.md)."""

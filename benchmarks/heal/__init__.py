@@ -1,0 +1,1 @@
+"""Heal throughput by state size and transport (docs/benchmarks.md, *Heal throughput*)."""

@@ -1,0 +1,1 @@
+"""Step time and memory of FTStrategy against DDPStrategy (docs/benchmarks.md, *Step time and memory*)."""

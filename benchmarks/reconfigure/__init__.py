@@ -1,0 +1,1 @@
+"""One reconfiguration of the cross-group process group, by implementation (docs/compatibility.md)."""

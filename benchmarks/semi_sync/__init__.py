@@ -1,0 +1,1 @@
+"""Bytes and held-out loss of ddp, LocalSGD and DiLoCo (docs/benchmarks.md, *Semi-synchronous training*)."""

@@ -1,0 +1,1 @@
+"""Per-step cost over a zoo of models, and torchft's protocol floor (docs/benchmarks.md, *Zoo*)."""

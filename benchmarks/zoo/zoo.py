@@ -1,0 +1,263 @@
+"""Step time of FTStrategy against DDPStrategy over a zoo of models (issue 25): what fault tolerance costs per step.
+
+Each run is a real job of 2 processes on this machine, 1 compute thread each, training one model of
+``zoo_models.py`` (an MLP, a CNN and a transformer at about 0.3 M, 1 M and 20 M parameters) with gradient
+accumulation 1 or 4: ``ddp`` is ``torchrun --nproc-per-node 2`` with ``DDPStrategy(process_group_backend="gloo")``,
+``ft`` is ``lightning-ft launch --replica-groups 2`` with ``FTStrategy()`` (its defaults). A run's figure is the median
+time between optimizer steps after a warm-up, averaged over its two processes; a repetition's ratio is its ``ft`` run
+÷ its ``ddp`` run (run back to back, the order alternating), and a model's verdict is the median of those ratios over
+every repetition of every kept run (``benchmarks/results/zoo/``, but runs of ``--processes`` other than 2, labelled
+``<N>-process``). The fixed cost is ``ft - ddp`` in milliseconds. Usage::
+
+    python -m benchmarks.zoo.zoo                    # every model, accumulation 1 and 4, 3 repetitions (~35 min)
+    python -m benchmarks.zoo.zoo --models mlp-0.3m --accumulate 1 --repeats 1
+    python -m benchmarks.zoo.zoo --summary          # the table and docs/img/zoo.png over every kept results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.results import RESULTS, every, header, new_results_file
+from benchmarks.common.run_util import LIGHTNING_FT, REPO, median, run_job
+from benchmarks.zoo.zoo_models import ZOO, parameter_count
+
+# About how long one step of each model takes on one core here (one process, no exchange), to size a run's length.
+NOMINAL_STEP_S = {
+    "mlp-0.3m": 0.010,
+    "mlp-1m": 0.030,
+    "mlp-20m": 0.27,
+    "cnn-0.3m": 0.05,
+    "cnn-1m": 0.075,
+    "cnn-20m": 0.5,
+    "transformer-0.3m": 0.06,
+    "transformer-1m": 0.075,
+    "transformer-20m": 0.28,
+}
+MEASURED_S = 5.0  # the measured part of a run, roughly
+PROCESSES = 2
+WORKER = Path(__file__).with_name("zoo_worker.py")
+
+
+def steps_for(model: str, accumulate: int) -> tuple[int, int]:
+    """(optimizer steps, warm-up steps skipped) for about ``MEASURED_S`` of measured steps."""
+    measured = max(12, min(200, math.ceil(MEASURED_S / (NOMINAL_STEP_S[model] * accumulate * 1.5))))
+    warmup = max(4, measured // 5)
+    return measured + warmup, warmup
+
+
+def command(mode: str, model: str, accumulate: int, steps: int, root: Path, processes: int = PROCESSES) -> list[str]:
+    worker = [
+        str(WORKER),
+        f"--mode={mode}",
+        f"--model={model}",
+        f"--accumulate={accumulate}",
+        f"--steps={steps}",
+        f"--root={root}",
+        f"--out={root / 'steps.json'}",
+    ]
+    if mode == "ddp":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *worker]
+    launch = [*LIGHTNING_FT, "launch", f"--replica-groups={processes}", f"--min-replicas={processes}"]
+    return [*launch, "--max-restarts=0", "--", "python", *worker]
+
+
+def measure(
+    mode: str, model: str, accumulate: int, rep: int, scratch: Path, processes: int = PROCESSES
+) -> dict[str, Any]:
+    steps, warmup = steps_for(model, accumulate)
+    root = scratch / f"{model}-{accumulate}-{mode}-{rep}"
+    load = os.getloadavg()[0]
+    code = run_job(command(mode, model, accumulate, steps, root, processes), root / "job.log", timeout=600)
+    files = sorted(root.glob("steps.*.json"))
+    if code != 0 or len(files) != processes:
+        raise RuntimeError(f"{mode}/{model} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
+    medians = []
+    paths: dict[str, list[float]] = {}
+    for path in files:
+        record = json.loads(path.read_text())
+        if record["global_step"] != steps:
+            raise RuntimeError(f"{mode}/{model}: reached step {record['global_step']}, not {steps}")
+        medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
+        for name in ("optimizer_ends", "vote_ends"):
+            gap = to_next_forward(record.get(name, [])[warmup:], record.get("forward_starts", []))
+            if gap is not None:
+                paths.setdefault(name, []).append(gap)
+    step = sum(medians) / len(medians)
+    critical = {f"{name[:-5]}_to_forward_ms": 1000 * sum(gaps) / len(gaps) for name, gaps in paths.items()}
+    shown = "  ".join(f"{name} {value:.3f}" for name, value in critical.items())
+    print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step  {shown}", flush=True)
+    return {
+        "mode": mode,
+        "model": model,
+        "accumulate": accumulate,
+        "rep": rep,
+        "step_s": step,
+        "loadavg_1m": load,
+        "processes": processes,
+        **critical,
+    }
+
+
+def to_next_forward(ends: list[float], forward_starts: list[float]) -> float | None:
+    """The median time from each of ``ends`` to the first forward pass that starts after it (the last end has none):
+    the critical path from a step's decision to the next step's first kernel."""
+    gaps = []
+    for end in ends:
+        index = bisect.bisect_right(forward_starts, end)
+        if index < len(forward_starts):
+            gaps.append(forward_starts[index] - end)
+    return median(gaps) if gaps else None
+
+
+def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (model, accumulation) over every file's runs: each repetition's ``ft`` ÷ ``ddp`` and the median."""
+    pairs: dict[tuple[str, int], list[tuple[float, float, str]]] = {}
+    for name, runs in runs_by_file.items():
+        by_rep: dict[tuple[str, int, int], dict[str, float]] = {}
+        for run in runs:
+            by_rep.setdefault((run["model"], run["accumulate"], run["rep"]), {})[run["mode"]] = run["step_s"]
+        for (model, accumulate, _), steps in sorted(by_rep.items()):
+            if "ddp" in steps and "ft" in steps:
+                pairs.setdefault((model, accumulate), []).append((steps["ddp"], steps["ft"], name))
+    rows = []
+    for (model, accumulate), found in sorted(pairs.items(), key=lambda kv: (list(ZOO).index(kv[0][0]), kv[0][1])):
+        ratios = [ft / ddp for ddp, ft, _ in found]
+        ddp_ms = median([ddp * 1000 for ddp, _, _ in found])
+        rows.append(
+            {
+                "model": model,
+                "accumulate": accumulate,
+                "parameters": parameter_count(model),
+                "repetitions": len(found),
+                "runs": len({name for _, _, name in found}),
+                "ddp_ms": ddp_ms,
+                "ft_ms": median([ft * 1000 for _, ft, _ in found]),
+                "fixed_cost_ms": median([(ft - ddp) * 1000 for ddp, ft, _ in found]),
+                "ratio_median": median(ratios),
+                "ratio_worst": max(ratios),
+                "ratios": [round(r, 3) for r in ratios],
+                "goal": 1.02 if ddp_ms >= 100 else 1.05 if ddp_ms >= 10 else None,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | parameters | accumulation | `DDPStrategy` step | `FTStrategy` step | fixed cost | ratio, median | "
+        "ratio, worst | repetitions | goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        goal = row["goal"]
+        verdict = "—" if goal is None else f"≤ {goal:.2f}×: {'met' if row['ratio_median'] <= goal else 'not met'}"
+        lines.append(
+            f"| {row['model']} | {row['parameters'] / 1e6:.2f} M | {row['accumulate']} | {row['ddp_ms']:.1f} ms | "
+            f"{row['ft_ms']:.1f} ms | {row['fixed_cost_ms']:+.1f} ms | {row['ratio_median']:.3f}× | "
+            f"{row['ratio_worst']:.3f}× | {row['repetitions']} ({row['runs']} runs) | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for accumulate, marker in ((1, "o"), (4, "s")):
+        mine = [r for r in rows if r["accumulate"] == accumulate]
+        for row in mine:
+            axis.scatter([row["ddp_ms"]] * len(row["ratios"]), row["ratios"], marker=marker, color="0.75", s=12)
+        axis.scatter(
+            [r["ddp_ms"] for r in mine],
+            [r["ratio_median"] for r in mine],
+            marker=marker,
+            label=f"median, accumulation {accumulate}",
+        )
+        for row in mine:
+            axis.annotate(
+                row["model"],
+                (row["ddp_ms"], row["ratio_median"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.axhline(1.05, color="tab:red", linestyle="--", linewidth=0.8, label="goal at ≥ 10 ms: 1.05×")
+    axis.axhline(1.02, color="tab:orange", linestyle=":", linewidth=0.8, label="goal at ≥ 100 ms: 1.02×")
+    axis.set_xscale("log")
+    axis.set_xlabel("DDPStrategy step time (ms, log scale)")
+    axis.set_ylabel("FTStrategy ÷ DDPStrategy step time")
+    axis.set_title("Step time over the zoo: every repetition (grey) and the median")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+
+
+def every_kept_run(results: Path = RESULTS) -> dict[str, list[dict[str, Any]]]:
+    """Every kept run of 2 processes (those of another count are labelled ``<N>-process``, outside the verdict)."""
+    return {
+        path.name: json.loads(path.read_text())["runs"]
+        for path in every("zoo", results)
+        if not path.stem.endswith("-process")
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO))
+    parser.add_argument("--accumulate", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["ddp", "ft"], choices=["ddp", "ft", "ft_pinned", "ft_sync"])
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=PROCESSES,
+        help="processes per job (groups of 1, or the torchrun world); with 1 a core stays free for everything but "
+        "training. Runs of another count than 2 are labelled <N>-process "
+        "(results/zoo/<UTC>_<commit>_<N>-process.json), outside the verdict",
+    )
+    parser.add_argument("--out", type=Path, help="a new file (default: results/zoo/<UTC>_<commit>.json)")
+    parser.add_argument("--label", help="appended to the default file name: <UTC>_<commit>_<label>.json")
+    parser.add_argument("--summary", action="store_true", help="only summarise every kept run and redraw the plot")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "zoo.png", help="where the plot goes")
+    args = parser.parse_args()
+    if not args.summary:
+        label = args.label if args.processes == PROCESSES else f"{args.processes}-process"
+        out = new_results_file("zoo", args.out, label)
+        runs: list[dict[str, Any]] = []
+        record = {**header(), "loadavg_start": list(os.getloadavg()), "runs": runs}
+        with tempfile.TemporaryDirectory(prefix="lightning-ft-zoo-") as scratch_dir:
+            scratch = Path(scratch_dir)
+            for rep in range(args.repeats):
+                for model, accumulate in itertools.product(args.models, args.accumulate):
+                    modes = ["ddp", *(m for m in args.modes if m != "ddp")]
+                    order = modes if rep % 2 == 0 else modes[::-1]
+                    runs.extend(measure(m, model, accumulate, rep, scratch, args.processes) for m in order)
+                    out.write_text(json.dumps({**record, "loadavg_end": list(os.getloadavg())}, indent=1))
+        print(f"wrote {out}")
+    if args.processes != PROCESSES:
+        print(table(summarise({out.name: runs})))
+        return
+    rows = summarise(every_kept_run())
+    if not rows:
+        raise SystemExit(f"no zoo results under {RESULTS / 'zoo'}")
+    print(table(rows))
+    plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
