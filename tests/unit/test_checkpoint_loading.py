@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -202,7 +203,9 @@ def damaged(written: Written, directory: Path, kind: str) -> Path:
     contents = {
         "truncated": data[: len(data) // 2],
         "truncated-tail": data[:-64],
-        "garbage": os.urandom(4096),
+        # Fixed bytes, not os.urandom: random bytes that begin with 0x80 read as torch's legacy (bare pickle) format,
+        # which has no checksum to tell a damaged file by (1 run in 256 failed that way).
+        "garbage": random.Random(0).randbytes(4096),
         "empty": b"",
         "text": b"this is not a checkpoint\n",
     }
@@ -219,6 +222,17 @@ def test_a_corrupt_checkpoint_names_the_file_and_what_to_do(written, tmp_path, k
     message = str(unreadable.value)
     assert str(path) in message and "is corrupt or truncated" in message, message
     assert "Resume from an older checkpoint" in message
+
+
+def test_a_legacy_format_file_that_fails_to_load_is_not_called_corrupt(written, tmp_path):
+    """Bytes that begin like torch's legacy format (a bare pickle) have no checksum: lightning-ft cannot tell that
+    they are damaged, so the loader's own error passes unchanged rather than a cause that was not checked."""
+    path = tmp_path / "legacy.ckpt"
+    path.write_bytes(b"\x80" + random.Random(1).randbytes(4095))
+    with pytest.raises(Exception) as raised:
+        fit(tmp_path, 4, ckpt_path=path, enable_checkpointing=False)
+    assert not isinstance(raised.value, UnreadableCheckpointError), raised.value
+    assert "corrupt" not in str(raised.value)
 
 
 def test_a_torch_file_that_is_not_a_checkpoint_is_named(tmp_path):
