@@ -1,6 +1,7 @@
 """The fault-tolerance callbacks. FTStrategy adds each one that the user has not supplied; each can be replaced.
 
-* :class:`QuorumCallback` opens each optimizer step's quorum and keeps Lightning's step counters on committed steps.
+* :class:`QuorumCallback` opens each optimizer step's quorum before the other callbacks' batch start (the step owner,
+  :mod:`lightning_ft.step.owner`, keeps Lightning's step counters on committed steps).
 * :class:`SyncCallback` takes its place with ``algorithm="local_sgd"``: a cross-group sync every ``sync_every``
   inner steps.
 * :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
@@ -41,9 +42,9 @@ if TYPE_CHECKING:
 def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once: bool) -> None:
     """Put the FT callbacks first, unless the user supplied their own instance (or a subclass) of each.
 
-    The data callback first: it records each step's starting position before the quorum callback (or, semi-
-    synchronously, the sync callback) opens the quorum. FaultToleranceMonitor after the quorum callback: it reports
-    the step's vote. DisjointDataCheck after the quorum callback too: it gathers on the step's quorum.
+    The quorum callback (or, semi-synchronously, the sync callback) before DisjointDataCheck, which gathers on the
+    step's quorum, so that the check runs at the job's first step; the step itself does not depend on this order (the
+    step owner ends each step before any batch-end hook, and the data callback observes each step's start).
     """
     defaults = [
         ExactlyOnceDataCallback if exactly_once else DataPositionCallback,

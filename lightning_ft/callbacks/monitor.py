@@ -32,7 +32,7 @@ class FaultToleranceMonitor(Callback):
 
     **Metrics.** At the end of a training batch, whenever Lightning logs its own step metrics (every
     ``log_every_n_steps``), each of ``trainer.loggers`` gets the ``ft/`` metrics through ``logger.log_metrics`` at the
-    step Lightning logs that batch's metrics at (``QuorumCallback`` keeps it on committed steps), so they line up
+    step Lightning logs that batch's metrics at (the step owner keeps it on committed steps), so they line up
     with the loss. A batch in which this group healed is always logged, so every heal's duration reaches the loggers.
     Why the loggers directly and not ``LightningModule.log``: the values are plain Python numbers that need no
     device tensor, no reduction and no place in ``callback_metrics``; ``self.log`` would turn each into a tensor on

@@ -198,7 +198,8 @@ class StepProtocol:
         if not self._quorum_open:
             raise QuorumNotStartedError(
                 "lightning-ft: gradients reached the cross-group allreduce but no quorum was started for this step. "
-                "The QuorumCallback starts it in on_train_batch_start; if you replaced that callback, call "
+                "FTStrategy opens it at each training batch's start (QuorumCallback, or the strategy's own "
+                "on_train_batch_start); code that runs a step outside Lightning's training loop must call "
                 "trainer.strategy.start_quorum() at the first micro-batch of each optimizer step."
             )
 
