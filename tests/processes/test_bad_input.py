@@ -28,8 +28,19 @@ BAD_YAML = [
     ("min_replica_size: 3", "min_replica_size=3 is larger than num_replica_groups=1", 1),
     ("timeout: 0", "timeout=0.0: must be a positive number of seconds", 1),
     ("quorum_timeout: -5", "quorum_timeout=-5.0: must be a positive number of seconds", 1),
-    ("algorithm: bogus", "algorithm='bogus': choose one of ddp, local_sgd, diloco", 1),
-    ("checkpoint_transport: carrier-pigeon", "checkpoint_transport='carrier-pigeon': choose one of http, pg", 1),
+    # Settings that take one of a few strings are Literals: LightningCLI refuses another value while parsing.
+    (
+        "algorithm: bogus",
+        'Parser key "algorithm":\n'
+        "          Expected a typing.Literal['ddp', 'local_sgd', 'diloco']. Got value: bogus",
+        2,
+    ),
+    (
+        "checkpoint_transport: carrier-pigeon",
+        'Parser key "checkpoint_transport":\n'
+        "          Expected a typing.Literal['http', 'pg']. Got value: carrier-pigeon",
+        2,
+    ),
     ('timeout: "soon"', "Parser key \"timeout\":\n          Expected a <class 'float'>. Got value: soon", 2),
     ("timout: 30", "Option 'timout' is not accepted", 2),
     ("data_mode: exactly_once\n      use_async_quorum: true", "data_mode='exactly_once' with use_async_quorum=True", 1),

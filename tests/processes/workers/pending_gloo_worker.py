@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-from lightning_ft.manager import arrival, quorum_store
+from lightning_ft.process_group import arrival, quorum_store
 from lightning_ft.process_group.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 from lightning_ft.process_group.moved_on import MovedOn
 from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo
