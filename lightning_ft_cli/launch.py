@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--join-timeout-ms",
         type=int,
         default=LOCAL_JOIN_TIMEOUT_MS,
-        help="embedded lighthouse: wait this long for heartbeating groups to join a new quorum (default: %(default)s)",
+        help="embedded lighthouse: wait this long for heartbeating groups to join a new quorum (default: %(default)s; "
+        "LocalSGD/DiLoCo with 3 or more groups: longer than the time between two syncs, see docs/semi-sync.md)",
     )
     parser.add_argument(
         "--events-dir",

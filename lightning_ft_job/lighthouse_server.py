@@ -32,6 +32,9 @@ LOCAL_HEARTBEAT_TIMEOUT_MS = 1000
 # waits (while every previous member is back, torchft forms a "fast quorum" at once), and the lighthouse's majority
 # rule keeps a lone group from leaving a live, heartbeating majority behind, so a short wait costs at most an extra
 # membership change when a group is more than this late right after a failure (it joins at the next step and heals).
+# The majority rule counts every group waiting at the lighthouse, and the wait is counted from the earliest: a
+# LocalSGD/DiLoCo group that waits from its restart to the next sync lets a survivor leave a live peer behind, so
+# semi-sync jobs of three or more groups need a join timeout above the time between two quorums (docs/semi-sync.md).
 # docs/benchmarks.md measures the kill-to-commit time at two settings. With 2 groups the lone survivor is no
 # majority until the dead group's heartbeats expire, so it waits the heartbeat timeout either way.
 LOCAL_JOIN_TIMEOUT_MS = 300
