@@ -1,5 +1,5 @@
 """Every private Lightning name lightning-ft uses, in one module: what it is, why it is used, and what public API would
-replace it. Lightning is pinned ``<2.7``; a Lightning upgrade is a diff here (``tests/unit/test_the_house.py`` keeps
+replace it. Lightning is pinned ``<2.7``; a Lightning upgrade is a diff here (``tests/package/test_the_house.py`` keeps
 private Lightning names out of every other module).
 
 ========================================== ============================================ ===============================

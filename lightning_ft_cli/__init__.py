@@ -6,5 +6,5 @@ about 0.1 s, and so do ``lightning-ft lighthouse`` and ``lightning-ft report``.
 
 It sits beside the library, not under it: what both need (environment variables, the event log, addresses, the
 embedded lighthouse) is :mod:`lightning_ft_job`. Nothing here may import ``lightning_ft``, Lightning or, at import
-time, torch; ``tests/processes/test_cli.py`` checks it.
+time, torch; ``tests/cli/test_cli.py`` checks it.
 """

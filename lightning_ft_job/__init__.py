@@ -7,5 +7,5 @@ address rules (:mod:`.addresses`) and the embedded lighthouse (:mod:`.lighthouse
 both: the library and the command each import this layer, and neither imports the other.
 
 Nothing here may import ``lightning_ft``, ``lightning_ft_cli``, Lightning or, at import time, torch: the launcher
-starts in about 0.1 s because of it. ``tests/processes/test_cli.py`` checks it.
+starts in about 0.1 s because of it. ``tests/cli/test_cli.py`` checks it.
 """

@@ -7,9 +7,45 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # support.py
+TESTS = Path(__file__).resolve().parent
+# The tests mirror the package (tests/<concept>/test_*.py); the helpers they share are in tests/support/ (the models
+# and trainers of helpers.py, the real-process harness, the workers). Every folder is importable by module name, as
+# pytest's default import mode makes each test's own folder, so that a test may use another's scenario helpers
+# whatever order the folders are collected in.
+for _folder in sorted(path for path in TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "_"))):
+    sys.path.insert(0, str(_folder))
 
-from lightning_ft_job.events import ENV_EVENTS_DIR
+from harness import LaunchedJob, launch_job  # noqa: E402 - after the path insert
+
+from lightning_ft_job.events import ENV_EVENTS_DIR  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that starts a job (the ``launch`` fixture) must say so with the ``multiprocess`` marker, which is how
+    the in-process tests are selected alone (``-m "not multiprocess"``)."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "launch" in getattr(item, "fixturenames", ()) and item.get_closest_marker("multiprocess") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests that start jobs without the multiprocess marker: " + ", ".join(unmarked))
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator:
+    """Start jobs with ``launch(name, groups=..., worker_args=[...])``; every job is stopped at teardown, even when the
+    test fails."""
+    jobs: list[LaunchedJob] = []
+
+    def start(name: str = "job", **kwargs) -> LaunchedJob:
+        job = launch_job(tmp_path / name, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.stop()
 
 
 @pytest.fixture(autouse=True)

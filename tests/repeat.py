@@ -11,7 +11,7 @@ ended by PID after it: with 2 of them on a 2-core machine, the suite's processes
 Usage::
 
     python tests/repeat.py --runs 3 --busy 2        # or: make test-repeat ARGS="--runs 3 --busy 2"
-    python tests/repeat.py --runs 1 --command ".venv/bin/python -m pytest tests/unit"
+    python tests/repeat.py --runs 1 --command '.venv/bin/python -m pytest -m "not multiprocess" tests'
 """
 
 from __future__ import annotations

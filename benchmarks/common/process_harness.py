@@ -1,8 +1,8 @@
-"""The process tests' harness (``tests/processes/harness.py``) for the drivers that start and watch a job with it
+"""The process tests' harness (``tests/support/harness.py``) for the drivers that start and watch a job with it
 (``kill_loop``, ``scale_kills``).
 
-``tests/`` is not a package: pytest puts ``tests/`` and ``tests/processes/`` on ``sys.path`` for the harness and its
-``support`` module. This module does the same, once, and is the only place in ``benchmarks/`` that touches
+``tests/`` is not a package: its conftest puts ``tests/support/`` (the harness and its ``helpers`` module) and every
+test folder on ``sys.path``. This module does the same, once, and is the only place in ``benchmarks/`` that touches
 ``sys.path``; a driver imports ``launch_job`` and ``LaunchedJob`` from here.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 from benchmarks.common.run_util import REPO
 
-for _folder in (REPO / "tests" / "processes", REPO / "tests"):
+for _folder in (REPO / "tests" / "support",):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 

@@ -1,6 +1,6 @@
 """Run the fault test matrix and render its measured figures as the table in docs/reliability.md.
 
-Every fault test records, once its assertions have passed, what the failure cost (see ``tests/processes/matrix.py``).
+Every fault test records, once its assertions have passed, what the failure cost (see ``tests/support/matrix.py``).
 This runs those tests with ``LIGHTNING_FT_MATRIX_OUT`` set, then writes the rows, with the machine, to a new
 ``benchmarks/results/fault_matrix/<UTC>_<commit>.json`` and their markdown table to
 ``benchmarks/results/fault_matrix/latest.md``. Usage::
@@ -25,13 +25,13 @@ from benchmarks.common.run_util import REPO
 
 SECTION = "fault_matrix"
 MATRIX_TESTS = [
-    "tests/processes/test_fault_tolerance.py",
-    "tests/processes/test_failure_injection.py",
-    "tests/processes/test_semi_sync_recovery.py::test_semi_sync_sigkill_during_a_sync",
-    "tests/processes/test_data_position_recovery.py::test_every_group_resumes_its_own_shard_from_the_last_checkpoint",
-    "tests/processes/test_chaos.py",
-    "tests/processes/test_lighthouse_restart.py",
-    "tests/processes/test_network_partition.py::test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals",
+    "tests/strategy/test_fault_tolerance.py",
+    "tests/callbacks/test_failure_injection.py",
+    "tests/algorithms/test_semi_sync_recovery.py::test_semi_sync_sigkill_during_a_sync",
+    "tests/data/test_data_position_recovery.py::test_every_group_resumes_its_own_shard_from_the_last_checkpoint",
+    "tests/cli/test_chaos.py",
+    "tests/manager/test_lighthouse_restart.py",
+    "tests/strategy/test_network_partition.py::test_a_partitioned_group_drops_out_and_rejoins_after_the_partition_heals",
 ]
 
 

@@ -1,6 +1,6 @@
 """How long the survivors stall after a kill, over many kills of a 3-group job, on each training path.
 
-Three replica groups of the test worker (``tests/processes/workers/train_worker.py``) under ``lightning-ft launch``,
+Three replica groups of the test worker (``tests/support/workers/train_worker.py``) under ``lightning-ft launch``,
 with the launcher's defaults (heartbeat timeout 1 s); one group after another is SIGKILLed (in turn 0, 1, 2), and the
 survivors' longest time without a commit, from the kill until the restarted group is back, is recorded; once the
 restarted group commits with both others again, the next kill follows. ``--path`` picks the training path (DDP's
@@ -16,7 +16,7 @@ hook, FSDP2's hook in HSDP, DiLoCo's syncs); ``--where`` where the kill lands:
 
 A wait over ``--bound`` seconds (the heartbeat timeout plus one second) is counted. A fresh job is started every
 ``--kills-per-job`` kills (the event logs it reads grow with every step). The job is started and watched with the
-test harness (``tests/processes/harness.py``, through ``benchmarks/common/process_harness.py``). Each run writes a new
+test harness (``tests/support/harness.py``, through ``benchmarks/common/process_harness.py``). Each run writes a new
 file, ``benchmarks/results/kill_loop/<UTC>_<commit>[_<label>].json``. Usage::
 
     python -m benchmarks.kill_loop.kill_loop --kills 27        # about 5 minutes on 2 cores

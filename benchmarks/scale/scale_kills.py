@@ -1,6 +1,6 @@
 """Kills at N groups: the survivors' stall and the time until every victim has healed, one victim against k at once.
 
-One job of N replica groups of the test worker (``tests/processes/workers/train_worker.py``, 1 process each) under
+One job of N replica groups of the test worker (``tests/support/workers/train_worker.py``, 1 process each) under
 ``lightning-ft launch`` with its defaults, per N and repetition, and two rounds of kills in it:
 
 1. one group SIGKILLed alone (a single heal);
@@ -11,7 +11,7 @@ Per round: the survivors' longest time without a commit from the kill until ever
 the kill until the last victim's ``healed`` event, each victim's receive time, and the groups they healed from
 (``healed``'s ``source_replica_rank`` mapped to a group through that quorum's ``quorum`` events): torchft assigns
 simultaneous heals to the up-to-date replicas round robin, so k victims should heal from k different sources. The
-job is started and watched with the test harness (``tests/processes/harness.py``, through
+job is started and watched with the test harness (``tests/support/harness.py``, through
 ``benchmarks/common/process_harness.py``). Usage::
 
     python -m benchmarks.scale.scale_kills                    # N = 4, 8, 16, 2 repetitions (about 10 minutes)

@@ -1,0 +1,277 @@
+"""The package's layout rules, checked on the source: the arrows between its layers, the one torchft seam, no import
+cycle, small modules (``docs/architecture.md``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("lightning_ft", "lightning_ft_job", "lightning_ft_cli")
+# Private names of torchft's Manager, process groups, DiLoCo and transports: read or changed only in the torchft seam,
+# lightning_ft/manager/ and lightning_ft/process_group/ (manager/__init__ lists each one, why, and the upstream hook
+# that would remove it).
+TORCHFT_PRIVATE_NAMES = [
+    *("_pg", "_quorum_id", "_uuid", "_client", "_quorum_future", "_healing", "_pending_state_dict"),
+    *("_apply_pending_state_dict", "_step", "_use_async_quorum", "_participating_replica_rank"),
+    *("_participating_replica_world_size", "_store", "_wrap_work", "_timeout", "_rendezvous_store", "_handle_id"),
+    *("_fragments", "_outer_optimizer", "_fragment_update_alpha", "_manager_state_dict"),
+]
+TORCHFT_INTERNALS = re.compile(
+    r"(?<!self)\.(" + "|".join(TORCHFT_PRIVATE_NAMES) + r")\b"  # an attribute of a torchft object
+    r"|from torchft\S* import .*\b_[A-Za-z]"  # a private torchft name imported
+)
+
+
+def modules(package: str) -> dict[str, Path]:
+    root = REPO / package
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports at its top level or in a function, by absolute name (relative imports resolved
+    against the file's package)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    package = parts[:-1]  # a module's package; for an __init__.py, the package itself
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_relative_imports_are_resolved_to_absolute_names(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    module = tmp_path / "lightning_ft" / "step" / "protocol.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("from ..start import decision\nfrom .buffers import ModelBuffers\n")
+    assert {"lightning_ft.start", "lightning_ft.start.decision", "lightning_ft.step.buffers"} <= imports_of(module)
+
+
+def test_the_library_and_the_command_sit_on_the_shared_layer_and_not_on_each_other():
+    for name, path in modules("lightning_ft").items():
+        assert not any(i.startswith("lightning_ft_cli") for i in imports_of(path)), f"{name} imports the command"
+    for name, path in modules("lightning_ft_job").items():
+        wrong = {i for i in imports_of(path) if i.split(".")[0] in ("lightning_ft", "lightning_ft_cli", "lightning")}
+        assert not wrong, f"{name} imports {wrong}"
+    for name, path in modules("lightning_ft_cli").items():
+        wrong = {i for i in imports_of(path) if i.split(".")[0] in ("lightning_ft", "lightning")}
+        assert not wrong, f"{name} imports {wrong}"
+
+
+def test_torchft_internals_are_touched_in_the_manager_seam_only():
+    outside = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for name, path in modules("lightning_ft").items()
+        if not name.startswith(("lightning_ft.manager", "lightning_ft.process_group"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if TORCHFT_INTERNALS.search(line)
+    ]
+    assert not outside, "\n".join(outside)
+
+
+def test_no_import_cycle_between_the_modules_of_the_package():
+    known = {**modules("lightning_ft"), **modules("lightning_ft_job"), **modules("lightning_ft_cli")}
+    graph = {name: {i for i in imports_of(path) if i in known and i != name} for name, path in known.items()}
+    # A package's __init__ importing its own submodules is how a package exports names: not a cycle of modules.
+    graph = {name: {i for i in edges if not name.startswith(i + ".")} for name, edges in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(target) :], target]))
+            if target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_no_module_is_long_and_the_strategy_stays_thin():
+    lengths = {
+        name: len(path.read_text().splitlines()) for package in PACKAGES for name, path in modules(package).items()
+    }
+    long = {name: n for name, n in lengths.items() if n > 420 and name != "lightning_ft.strategy"}
+    assert not long, long
+
+
+def test_the_strategy_holds_properties_and_hook_overrides_only():
+    """``FTStrategy`` reads like Lightning's ``DDPStrategy``: each public method is a property or an override of a
+    Lightning hook (``@override``); the only other public one is ``start_quorum``, a documented entry point. Its
+    length is not capped: its constructor names each of its 41 arguments."""
+    tree = ast.parse((REPO / "lightning_ft" / "strategy.py").read_text())
+    strategy = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "FTStrategy")
+    public = [node for node in strategy.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+    decorators = {node.name: {ast.unparse(d) for d in node.decorator_list} for node in public}
+    plain = sorted(name for name, names in decorators.items() if not names & {"override", "property"})
+    assert plain == ["start_quorum"]
+
+
+def test_no_module_name_appears_twice_in_the_library():
+    names = [path.stem for path in modules("lightning_ft").values() if path.stem != "__init__"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def folder_imports(package: str = "lightning_ft") -> dict[str, set[str]]:
+    """For each subpackage (folder) of ``package``, the other subpackages its modules import."""
+    known = modules(package)
+    folders = {name for name, path in known.items() if path.name == "__init__.py" and name.count(".") == 1}
+
+    def folder(name: str) -> str | None:
+        top = ".".join(name.split(".")[:2])
+        return top if top in folders else None
+
+    graph: dict[str, set[str]] = {name: set() for name in folders}
+    for name, path in known.items():
+        source = folder(name)
+        if source is None:
+            continue
+        graph[source] |= {f for i in imports_of(path) if i in known and (f := folder(i)) not in (None, source)}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := visit(target, [*path, target])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_the_folders_of_the_package():
+    """Folders name concepts (docs/concepts.md); an arrow both ways between two means neither can be read alone
+    (``step/protocol.py`` once imported an error from ``start/``, whose ``lifecycle.py`` drives the protocol)."""
+    cycle = cycle_in(folder_imports())
+    assert cycle is None, "folder import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_folder_cycle_check_finds_a_cycle():
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle_in({"a": {"b"}, "b": set()}) is None
+
+
+# Private attributes of Lightning objects, reached through these roots; read or changed only in
+# lightning_ft/lightning_internals.py (its docstring lists each one, why, and the public API that would replace it).
+LIGHTNING_OBJECTS = re.compile(
+    r"\b(trainer|strategy|fit_loop|epoch_loop|lightning_module|pl_module|callback|checkpoint_callback|lightning_call)\b"
+    r"|\bself\._module\b"  # FTStrategy's LightningModule
+)
+
+
+def lightning_private_uses(path: Path) -> list[str]:
+    """Each private Lightning name a file imports, and each private attribute it reads or sets on a Lightning
+    object (an expression through a trainer, its loops, a LightningModule or a callback)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "pytorch_lightning"):
+            found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base not in ("self", "cls") and LIGHTNING_OBJECTS.search(base):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_lightning_internals_are_touched_in_their_inventory_only():
+    outside = [
+        use
+        for name, path in modules("lightning_ft").items()
+        if name != "lightning_ft.lightning_internals"
+        for use in lightning_private_uses(path)
+    ]
+    assert not outside, "\n".join(outside)
+
+
+def test_the_lightning_guard_sees_a_private_import_and_a_private_attribute(tmp_path):
+    leak = tmp_path / "leak.py"
+    leak.write_text(
+        "from lightning.pytorch.loops.fetchers import _DataFetcher\n"
+        "steps = trainer.fit_loop.epoch_loop._batches_that_stepped\n"
+        "trainer._checkpoint_connector.resume_start()\n"
+        "self._own = 1\n"
+    )
+    assert [use.split(": ", 1)[1] for use in lightning_private_uses(leak)] == [
+        "import _DataFetcher",
+        "trainer.fit_loop.epoch_loop._batches_that_stepped",
+        "trainer._checkpoint_connector",
+    ]
+
+
+def test_ddp_and_fsdp_inside_a_group_are_two_objects_behind_one_interface():
+    """FTStrategy delegates its group-local hooks to one of two objects, never branching on the data parallelism
+    itself: each implements every member of ``GroupParallelism`` with the same parameters."""
+    import inspect
+
+    from lightning_ft.group_parallelism import GroupDDP, GroupParallelism
+    from lightning_ft.hsdp.in_group import GroupFSDP
+
+    members = {name for name in vars(GroupParallelism) if not name.startswith("_")}
+    assert {"setup", "block_backward_sync", "lightning_module_state_dict", "device_mesh"} <= members
+    for implementation in (GroupDDP, GroupFSDP):
+        for name in members - {"device_mesh"}:
+            wanted = list(inspect.signature(getattr(GroupParallelism, name)).parameters)
+            assert list(inspect.signature(getattr(implementation, name)).parameters) == wanted, (implementation, name)
+    source = (REPO / "lightning_ft" / "strategy.py").read_text()
+    assert "if self.data_parallel.sharded" not in source and "not self.data_parallel.sharded" not in source
+
+
+def test_the_architecture_page_names_only_what_exists_and_every_folder():
+    """``docs/architecture.md`` stays true to the code: each file it names (``x.py``, ``folder/``, a path) exists in
+    the repository, and each folder of the library has its row in the page's table."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    every_file = {path.relative_to(REPO).as_posix() for path in REPO.rglob("*.py") if ".venv" not in path.parts}
+    missing = []
+    for name in sorted(set(re.findall(r"`([A-Za-z_][\w/]*\.py)`", page))):
+        if not any(path == name or path.endswith("/" + name) for path in every_file):
+            missing.append(name)
+    folders = {path.parent.name for path in (REPO / "lightning_ft").glob("*/__init__.py")}
+    for name in sorted(set(re.findall(r"`([a-z_]+)/`", page))):
+        if name not in folders:
+            missing.append(name + "/")
+    assert not missing, f"named in docs/architecture.md but not in the code: {missing}"
+    absent = sorted(folder for folder in folders if f"`{folder}/`" not in page)
+    assert not absent, f"library folders without a row in docs/architecture.md: {absent}"
+
+
+# Test folders that are not a folder of lightning_ft: the strategy and the top-level modules, whole-job checkpoints,
+# the two command-side packages, these layout rules, the shared harness, the benchmark drivers' own tests, and the
+# suite's run records.
+TEST_FOLDERS_BEYOND_THE_LIBRARY = {"strategy", "checkpoints", "job", "cli", "package", "support", "benchmark_drivers"}
+
+
+def test_the_tests_mirror_the_package():
+    """Every folder of ``lightning_ft`` has a test folder of the same name, and every test folder is one of those or
+    a named exception: a maintainer changing ``lightning_ft/<folder>/`` finds its tests in ``tests/<folder>/``."""
+    library = {path.name for path in (REPO / "lightning_ft").iterdir() if (path / "__init__.py").is_file()}
+    tests = {path.name for path in (REPO / "tests").iterdir() if any(path.glob("test_*.py"))}
+    assert library - tests == set(), "library folders without tests"
+    assert tests - library - TEST_FOLDERS_BEYOND_THE_LIBRARY == set(), "test folders that mirror nothing"
+    assert not list((REPO / "tests").glob("test_*.py")), "a test module outside the folders"
