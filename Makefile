@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-extra compat test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
-    bench-gpu bench-kill-loop bench-data-modes fault-matrix
+    bench-gpu bench-kill-loop bench-data-modes bench-smoke fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,13 @@ bench-data-modes: $(STAMP)
 # ARGS="--soak" adds the 20-kill soak run.
 fault-matrix: $(STAMP)
 	$(BIN)/python -m benchmarks.fault_matrix.fault_matrix $(ARGS)
+
+# Whether every driver of every target above still runs, each once at its smallest size (figures to a temporary
+# folder; the record of which ran goes to benchmarks/results/smoke/): about 15 minutes on 2 CPU cores.
+# Example: make bench-smoke ARGS="--only bench-zoo bench-scale"
+bench-smoke: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
+	$(BIN)/python -m benchmarks.smoke $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
