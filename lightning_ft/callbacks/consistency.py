@@ -58,13 +58,14 @@ class ReplicaConsistencyCheck(Callback):
     """Every ``every_n_steps`` committed steps, compare every replica's fingerprint of its parameters and buffers
     (those that ``buffer_sync="average"`` keeps identical) across groups.
 
-    The check runs at the end of the batch whose vote committed the step, on a quorum of its own (a sync section)
-    among the groups that committed it. Not at the start of a step, on the step's quorum: with asynchronous quorum a
-    group that heals in that step only learns the committed step count once the quorum is in, so it could not know
-    whether the others are about to check, and a collective that only some groups make can abort a healthy peer
-    inside Gloo. After the vote every group of the step's quorum, a healed one included, has the same count. Rank r
-    of each group is compared with rank r of the others (with sharded parameters they hold the same shard). A group
-    whose fingerprint differs from the majority's is named in an error log and a ``replica_diverged`` event, then:
+    The check runs at the end of the batch whose vote committed the step, in a sync section among the groups that
+    committed it (on that step's quorum, or on a section quorum of its own if a collective failed). Not at the start
+    of a step: with asynchronous quorum a group that heals in that step only learns the committed step count once the
+    quorum is in, so it could not know whether the others are about to check, and a collective that only some groups
+    make can abort a healthy peer inside Gloo. After the vote every group of the step's quorum, a healed one
+    included, has the same count. Rank r of each group is compared with rank r of the others (with sharded parameters
+    they hold the same shard). A group whose fingerprint differs from the majority's is named in an error log and a
+    ``replica_diverged`` event, then:
 
     * ``on_divergence="heal"`` (default): the diverged group stops with :class:`ReplicaDivergedError`; torchrun
       restarts it and it heals from a live peer, like any failed group. The others go on (they lose at most the

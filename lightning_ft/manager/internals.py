@@ -27,6 +27,9 @@ They take any Manager (or a test's stand-in with the same attributes):
   ``_fragment_update_alpha`` set to 0 for a sync that must take the global parameters as they are (the final sync),
   for :mod:`lightning_ft.algorithms.diloco`. Upstream hooks: public ``fragments`` and ``outer_optimizer``, and an
   update alpha per sync call.
+* :func:`quorum_in_place`: whether the Manager's latest quorum formed and nothing has failed on its process group
+  since (``Manager._quorum_future``), for a sync section that can use it instead of asking the lighthouse again.
+  Upstream hook: a public ``quorum_ready()``.
 * :func:`lifetime_replica_id`: the replica id torchft registered for this process lifetime (``Manager._store``, under
   ``REPLICA_ID_KEY``), for :mod:`lightning_ft.manager.group_claim`. Upstream hook: a public ``replica_id()``.
 
@@ -58,6 +61,16 @@ def new_manager_client(manager: Manager, connect_timeout: timedelta) -> Callable
         return ManagerClient(address, connect_timeout=connect_timeout)
 
     return connect
+
+
+def quorum_in_place(manager: Manager) -> bool:
+    """Whether the Manager holds a quorum whose process group can carry one more collective: the latest quorum formed
+    (``Manager._quorum_future`` done, without error) and nothing has failed since (``errored()``, which only the next
+    quorum clears; a step rejected for a non-finite gradient counts as failed too, to stay on the safe side)."""
+    future = getattr(manager, "_quorum_future", None)
+    if future is None or not future.done() or future.exception() is not None:
+        return False
+    return manager.errored() is None
 
 
 def lifetime_replica_id(manager: Manager) -> str:

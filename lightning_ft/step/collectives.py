@@ -19,9 +19,15 @@ That holds in two kinds of places, and only there:
 
 * **inside an optimizer step**, on the step's own quorum (e.g. ``self.log`` in ``training_step``);
 * **in a sync section**: the validation and test loops and the end of a training epoch, which every group reaches at
-  the same committed step. A section gets a quorum of its own (``allow_heal=False``, ``shrink_only=True``: a group
-  that is just restarting waits for the next training step instead of joining a validation half-way), and loses it
-  when the next optimizer step opens its quorum.
+  the same committed step. A section uses the quorum the groups are already in (the last step's or sync's), as long
+  as nothing has failed on it: every group of that quorum is at the section's position, and a group that is just
+  restarting is not in it, so it waits for the next training step instead of joining a validation half-way. It
+  asks the lighthouse for a quorum of its own (``allow_heal=False``, ``shrink_only=True``: only groups of the previous
+  quorum) only when there is none to use or a collective on it failed. The next optimizer step's quorum ends it.
+
+  Not asking the lighthouse matters beyond the round trip: a restarted group waiting at the lighthouse (for its
+  peers' next step or sync) makes a ``shrink_only`` quorum form with the first survivor that asks, and then hand the
+  next survivor only empty quorums (``tests/manager/test_lighthouse_semantics.py``).
 
 Everywhere else (Lightning's one-off dataloader checks, the sanity check, a group that has not joined its first
 quorum yet) a reduction stays inside the group, exactly as in plain DDP.
@@ -51,6 +57,7 @@ from torchft import Manager
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_ft.errors import LightningFTError, UnsupportedArgumentError
+from lightning_ft.manager.internals import quorum_in_place
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 
@@ -191,12 +198,13 @@ class CrossGroupCollectives:
         # group is at the same inner step, and a new quorum would reconfigure the process group under the sync.
         in_step = self.protocol is not None and self.protocol.quorum_open
         value: Any = None
-        for _ in range(1 if in_step else self.max_attempts):
+        for attempt in range(1 if in_step else self.max_attempts):
             if not in_step and self._section_quorum != self._section:
-                # shrink_only: only groups of the previous quorum take part, so a restarting group waits for the
-                # next training step rather than joining this section half-way. Outside fit there is no such
-                # group, and the first quorum of a validate/test run must be free to form.
-                self.manager.start_quorum(allow_heal=False, shrink_only=self.protocol is not None)
+                if attempt > 0 or not self._quorum_in_place():
+                    # shrink_only: only groups of the previous quorum take part, so a restarting group waits for
+                    # the next training step rather than joining this section half-way. Outside fit there is no
+                    # such group, and the first quorum of a validate/test run must be free to form.
+                    self.manager.start_quorum(allow_heal=False, shrink_only=self.protocol is not None)
                 self._section_quorum = self._section
                 self._handshake_due = True
             outcome: tuple[bool, Any] = (False, None)
@@ -217,6 +225,14 @@ class CrossGroupCollectives:
             self._section_quorum = None
         self._fall_back(f"{self.max_attempts} section quorums in a row failed (the last one: {value})")
         return None
+
+    def _quorum_in_place(self) -> bool:
+        """Whether the section can use the quorum the groups are in. Group rank 0 decides, for the whole group: only
+        it exchanges with the other groups, and every rank of a group must ask for a new quorum, or none."""
+        usable = quorum_in_place(self.manager) if _group_rank() == 0 else False
+        if _group_world_size() > 1:
+            usable = bool(_share_from_group_rank_zero((usable, None))[0])
+        return usable
 
     def _fall_back(self, why: str) -> None:
         if not self._warned:

@@ -153,8 +153,8 @@ def test_a_group_left_behind_in_a_collective_gives_it_up_and_heals_without_waiti
 # LocalSGD's restarted group waits at the lighthouse from its first batch until the survivors' final sync, 15 inner
 # steps and two validations later. The lighthouse waits for a heartbeating straggler only ``join_timeout_ms`` from
 # its *earliest* waiting member, here the restarted group, and with it counted a lone survivor is a majority: with
-# the launcher's 300-ms default, a survivor that reaches a validation or the final sync a moment before the other
-# would go on without it (docs/semi-sync.md, "Three or more groups";
+# the launcher's 300-ms default, a survivor that reaches the final sync a moment before the other would go on
+# without it (docs/semi-sync.md, "Three or more groups";
 # tests/manager/test_lighthouse_semantics.py pins that behaviour). So this job runs with the join timeout that
 # page asks for: longer than the time between two quorums.
 SECTIONS = [

@@ -4,7 +4,7 @@ buffers, so packing, slot order, exactness, fall-backs and section quorums are c
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -151,6 +151,28 @@ def test_sections_get_their_own_shrink_only_quorum_and_retry_after_a_failure():
     assert [r.item() for r in results] == [3.0, 3.0]
     for manager in job.managers:
         assert manager.quorums == [{"allow_heal": False, "shrink_only": True}] * 2
+
+
+def test_a_section_uses_the_quorum_in_place_and_asks_for_its_own_only_after_a_failure():
+    """The groups' last quorum formed and nothing failed on it: the section's collectives run on it, without a
+    round trip to the lighthouse (where a restarted group waiting would make a shrink_only quorum leave a survivor
+    out). A failure on it makes the retry ask for a section quorum of its own."""
+    job = FakeJob([0, 1])
+    formed: Future[None] = Future()
+    formed.set_result(None)
+    for manager in job.managers:
+        manager._quorum_future = formed  # type: ignore[attr-defined]
+    protocols = [FakeProtocol(quorum_open=False), FakeProtocol(quorum_open=False)]
+    results = run_groups(job, lambda index, c: c.reduce(torch.tensor(float(index + 1)), "sum"), protocols)
+    assert [r.item() for r in results] == [3.0, 3.0]
+    assert all(manager.quorums == [] for manager in job.managers)
+    for manager in job.managers:
+        manager.fail_next = 1
+    for protocol in protocols:
+        protocol.quorums_opened += 1  # the next section
+    results = run_groups(job, lambda index, c: c.reduce(torch.tensor(float(index + 1)), "sum"), protocols)
+    assert [r.item() for r in results] == [3.0, 3.0]
+    assert all(manager.quorums == [{"allow_heal": False, "shrink_only": True}] for manager in job.managers)
 
 
 def test_inside_a_step_a_failure_falls_back_to_the_groups_own_value_without_a_new_quorum(caplog):

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ft import FTStrategy
 from lightning_ft.callbacks import QuorumCallback
+from lightning_ft.manager import FTManager
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -258,6 +259,24 @@ def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
     assert run.global_step == 6
     # The last validation ran after step 6: with the final weights, on the first 2 batches.
     assert run.callback_metrics["val_loss"].item() == pytest.approx(validation_loss(model, loader(n=16)), rel=1e-6)
+
+
+def test_validation_inside_fit_combines_on_the_last_steps_quorum_without_asking_the_lighthouse(monkeypatch):
+    """A sync section uses the quorum the groups are in: every quorum this fit asks for is a training step's
+    (``allow_heal=True``), none a section's, though every validation combines ``val_loss`` across groups."""
+    asked: list[dict[str, object]] = []
+    start_quorum = FTManager.start_quorum
+
+    def recording(self: FTManager, **kwargs: Any) -> None:
+        asked.append(kwargs)
+        start_quorum(self, **kwargs)
+
+    monkeypatch.setattr(FTManager, "start_quorum", recording)
+    run = trainer(max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=2)
+    run.fit(WithValidation(), loader(), loader(n=64))
+    assert run.global_step == 6 and "val_loss" in run.callback_metrics
+    assert len(asked) == 6
+    assert all(request.get("allow_heal", True) for request in asked), asked
 
 
 class BatchNormRegressor(Regressor):
