@@ -9,7 +9,7 @@ spent: the quorum forms at once without the other survivor, who is alive and a m
 
 Pinned here so that a torchft that changes it shows up, and the docs' advice (a join timeout longer than the time
 between two quorums) can be revisited. Real lighthouse, in process; no thread races: each request is made when the
-quorum it would join cannot have formed yet, and the waits are lower bounds (a busy machine only lengthens them).
+quorum it would join cannot have formed yet, and the one wait is on the lighthouse's own status page.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from torchft._torchft import LighthouseClient, LighthouseServer
 
+from lightning_ft.manager.lighthouse_status import read_lighthouse_status
+
 JOIN_TIMEOUT_MS = 300
 
 
@@ -30,6 +32,7 @@ class Requests:
     """Quorum requests in threads, with what each got (the participants' replica ids, or the error's type)."""
 
     def __init__(self, address: str) -> None:
+        self.address = address
         self.client = LighthouseClient(address, timedelta(seconds=5))
         self.results: dict[str, object] = {}
         self.threads: list[threading.Thread] = []
@@ -56,13 +59,14 @@ class Requests:
 
 @pytest.fixture
 def lighthouse() -> Iterator[Requests]:
-    """Three heartbeating replicas (the heartbeat timeout outlasts the test); ``r0`` and ``r1`` form a quorum."""
+    """``r0`` and ``r1`` heartbeat (the heartbeat timeout outlasts the test) and form a quorum. ``r2`` has not been
+    heard from: each test makes it heartbeat, or ask."""
     server = LighthouseServer(
         bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, heartbeat_timeout_ms=120_000
     )
     requests = Requests(server.address())
     try:
-        for replica in ("r0", "r1", "r2"):
+        for replica in ("r0", "r1"):
             requests.client.heartbeat(replica)
         first = [requests.ask(replica, timeout_s=30) for replica in ("r0", "r1")]
         for thread in first:
@@ -76,9 +80,13 @@ def lighthouse() -> Iterator[Requests]:
 
 
 def a_restarted_group_waits(requests: Requests) -> None:
-    """``r2`` asks for its first quorum and waits, longer than the join timeout."""
+    """``r2`` asks for its first quorum, and waits until the lighthouse has held the request longer than the join
+    timeout: as read from the lighthouse's status page, where the request is ``r2``'s only heartbeat."""
     requests.ask("r2", timeout_s=6)  # its entry stays at the lighthouse after a timeout (until a quorum forms)
-    time.sleep(2 * JOIN_TIMEOUT_MS / 1000)
+    deadline = time.monotonic() + 30
+    while read_lighthouse_status(requests.address).heartbeat_ages.get("r2", -1.0) < JOIN_TIMEOUT_MS / 1000:
+        assert time.monotonic() < deadline, "the lighthouse never held r2's request for the join timeout"
+        time.sleep(0.05)
 
 
 def participants(quorum: Any) -> list[str]:
@@ -88,6 +96,7 @@ def participants(quorum: Any) -> list[str]:
 def test_alone_a_survivor_waits_for_the_other(lighthouse):
     """The control: with nobody else waiting, r0 is no majority of the three heartbeating replicas, and gets no
     quorum without r1."""
+    lighthouse.client.heartbeat("r2")
     with pytest.raises(TimeoutError):
         lighthouse.get("r0", timeout_s=2)
 
