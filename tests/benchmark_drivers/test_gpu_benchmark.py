@@ -26,9 +26,11 @@ def test_the_defaults_cover_every_mode_precision_and_step_size():
 
 
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--repeats", "0"], ["--profile-steps", "-1"], ["--modes", "x"]])
-def test_bad_arguments_are_refused(bad):
-    with pytest.raises(SystemExit):
+def test_bad_arguments_are_refused(bad, capsys):
+    with pytest.raises(SystemExit) as refused:
         gpu_step.parse_args(bad)
+    assert refused.value.code == 2  # argparse's refusal, naming the setting
+    assert bad[0] in capsys.readouterr().err
 
 
 def test_gpu_idle_is_the_window_no_kernel_covers_per_step():

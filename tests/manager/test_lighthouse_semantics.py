@@ -97,7 +97,7 @@ def test_alone_a_survivor_waits_for_the_other(lighthouse):
     """The control: with nobody else waiting, r0 is no majority of the three heartbeating replicas, and gets no
     quorum without r1."""
     lighthouse.client.heartbeat("r2")
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="Timeout expired"):  # the request's own deadline, not a lost connection
         lighthouse.get("r0", timeout_s=2)
 
 
