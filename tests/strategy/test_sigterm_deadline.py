@@ -291,9 +291,12 @@ def test_a_previous_wakeup_fd_still_gets_every_signal_and_other_signals_do_not_e
         assert readable, "the previous wakeup fd did not get the signal number"
         assert os.read(read_fd, 64) == bytes([signal.SIGUSR1])
         assert usr1 == [signal.SIGUSR1]
-        time.sleep(GRACE * 2)
+        watcher = watchers()
+        sigterm.uninstall()  # the watcher reads end-of-file and ends: after its deadline, had SIGUSR1 started one
+        for thread in watcher:
+            thread.join(timeout=10)
+        assert watcher and not any(thread.is_alive() for thread in watcher), "the watcher did not end on uninstall"
         assert exits.calls == [], "a signal other than SIGTERM started the deadline"
-        sigterm.uninstall()
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
         signal.set_wakeup_fd(-1)
