@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -310,7 +311,8 @@ def test_a_checkpoint_directory_finds_the_newest_run_of_its_root_and_an_events_d
     directory: the root's checkpoint directory draws the newest; each is also drawn when named or given directly."""
     events_root = tmp_path / "ft_events"
     write_log(events_root, 0, [{"event": "started", "time": 0.0, "pid": 1, "attempt": 0}])
-    time.sleep(0.05)  # the newer run's files are newer
+    an_hour_ago = time.time() - 3600
+    os.utime(events_root / "group0.rank0.jsonl", (an_hour_ago, an_hour_ago))  # the newer run's files are newer
     two_group_run(events_root / "20261126-101010-abc123")
     (tmp_path / "checkpoints").mkdir()
     newest = load_timeline(tmp_path / "checkpoints")
