@@ -72,9 +72,14 @@ def failures(junit: Path) -> tuple[int, list[dict[str, str]]]:
     return ran, failed
 
 
-def commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+def commit(record: Path, repo: Path = REPO) -> str:
+    """The commit the suite ran at, with ``+changes`` when the work tree differs from it: in anything but the record
+    itself, which the earlier runs of a ``--runs N`` campaign have appended to."""
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    status = ["git", "status", "--porcelain", "--", "."]
+    if record.resolve().is_relative_to(repo.resolve()):  # a record outside the repository changes nothing in it
+        status.append(f":(exclude){record.resolve()}")
+    dirty = subprocess.run(status, cwd=repo, capture_output=True, text=True).stdout.strip()
     return result.stdout.strip() + ("+changes" if dirty else "")
 
 
@@ -111,7 +116,7 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
         slow = slowest(junit)
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": commit(),
+        "commit": commit(args.record),
         "command": args.command,
         "run": index + 1,
         "of": args.runs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 
 import pytest
@@ -43,3 +44,20 @@ def test_a_run_records_each_failed_test_with_its_failure_and_ends_its_busy_loops
 def test_a_run_that_wrote_no_report_is_a_failure():
     ran, failed = repeat.failures(REPO / "no-such-report.xml")
     assert ran == 0 and failed and "no JUnit report" in failed[0]["failure"]
+
+
+def test_the_commit_is_marked_changed_by_any_change_but_the_record_itself(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    record, code = tmp_path / "runs.jsonl", tmp_path / "code.py"
+    record.write_text("")
+    code.write_text("")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    record.write_text('{"run": 1}\n')  # an earlier run of the same campaign
+    assert not repeat.commit(record, repo=tmp_path).endswith("+changes")
+    code.write_text("changed = True\n")
+    assert repeat.commit(record, repo=tmp_path).endswith("+changes")
