@@ -24,7 +24,7 @@ import torch.distributed as dist
 from harness import WORKERS
 from torch.distributed import PrefixStore, TCPStore
 
-from lightning_ft.process_group.arrival import QuorumMemberMissingError, wait_for_every_member
+from lightning_ft.process_group.arrival import QuorumMemberMissingError, arrived_key, wait_for_every_member
 from lightning_ft.process_group.left_behind import CollectiveLeftBehindError, LeftBehindWatch
 from lightning_ft.process_group.moved_on import MovedOn, MovedOnSignal, MovedOnUnknown
 from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, store_refuses_connections
@@ -305,14 +305,28 @@ def test_a_process_group_with_an_operation_given_up_is_set_aside_not_aborted():
 
 def members_of_one_quorum(world_size: int, arrive: list[int], grace: float = 0.5) -> dict[int, BaseException | None]:
     """Members ``arrive`` of a ``world_size`` quorum, each in its own thread on one real TCPStore (the primary's),
-    each under the process group's prefix as torchft gives it; returns what each one's wait ended with."""
+    each under the process group's prefix as torchft gives it; returns what each one's wait ended with.
+
+    The members' grace runs on a clock that starts once every member in ``arrive`` has announced itself: on a busy
+    machine a thread can start later than the grace, which would make an arriving member look missing. Under test
+    is who the members find missing, and that they give the quorum up; not how fast threads start."""
     primary = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    announced = PrefixStore("torchft/5/0", primary)
+    reading = threading.Lock()
+    every_arrival_at: list[float] = []
     outcome: dict[int, BaseException | None] = {}
+
+    def since_every_arrival() -> float:
+        """Seconds since the last member of ``arrive`` announced itself; 0 until then."""
+        with reading:
+            if not every_arrival_at and announced.check([arrived_key(rank) for rank in arrive]):
+                every_arrival_at.append(time.monotonic())
+        return time.monotonic() - every_arrival_at[0] if every_arrival_at else 0.0
 
     def member(rank: int) -> None:
         store = PrefixStore("torchft/5/0", TCPStore("127.0.0.1", primary.port, is_master=False))
         try:
-            wait_for_every_member(store, rank, world_size, quorum_id=5, grace=grace)
+            wait_for_every_member(store, rank, world_size, quorum_id=5, grace=grace, clock=since_every_arrival)
             outcome[rank] = None
         except BaseException as error:  # the outcome is what is asserted
             outcome[rank] = error
