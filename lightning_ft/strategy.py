@@ -403,7 +403,7 @@ class FTStrategy(DDPStrategy):
         run = self.broadcast(events.run_id())  # the group's ranks agree on rank 0's (Lightning's launcher sets none)
         events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir, run)
         if fitting:  # before this group registers with the lighthouse
-            self._lifecycle = GroupLifecycle(trainer, self.settings, self.global_rank, self.broadcast)
+            self._lifecycle = GroupLifecycle(trainer, self.settings, self.global_rank, self.broadcast, run)
             self._lifecycle.exit_if_job_finished(trainer)
         self._sigterm_deadline.install()  # before Lightning's own SIGTERM handler, which then calls this one too
         self._handle = build_manager(

@@ -23,7 +23,9 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
+from lightning_ft_cli.job_state import JobState
 from lightning_ft_cli.processes import children_of, terminate_with_parent
+from lightning_ft_job import run_end
 from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
 from lightning_ft_job.events import ENV_EVENTS_DIR, ENV_RUN_ID, new_run_id
@@ -33,6 +35,7 @@ from lightning_ft_job.lighthouse_server import (
     LighthouseBindError,
     start_lighthouse,
 )
+from lightning_ft_job.run_end import ENV_RUN_END_DIR
 from lightning_ft_job.torchrun import group_variables, torchrun_arguments
 
 STOP_GRACE_SECONDS = 10.0
@@ -146,8 +149,11 @@ def group_environment(
     events_dir: str | None,
     start_timeout: float | None = None,
     run_id: str | None = None,
+    run_end_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, str]:
     env = dict(os.environ)
+    if run_end_dir is not None:  # where a group reports the run's end, and a restarted one learns of it
+        env[ENV_RUN_END_DIR] = os.path.abspath(run_end_dir)
     env.update(group_variables(group_id, num_groups, lighthouse))
     if run_id is not None:  # one run id for every group and restart: one event directory per run
         env[ENV_RUN_ID] = run_id
@@ -351,15 +357,20 @@ def run(args: argparse.Namespace) -> int:
 
     lock = threading.Lock()
     monkey: ChaosMonkey | None = None
-    finished_at: float | None = None  # when the first group finished successfully
-    stopped_late: set[int] = set()  # groups still running finish_grace after that, stopped on purpose
+    job = JobState(group_ids, args.finish_grace, time.monotonic)
+    stopped_late: set[int] = set()  # groups still running finish_grace after the job finished, stopped on purpose
+    # Where the groups report the run's end (lightning_ft_job.run_end): a folder of this launch's unless set.
+    own_run_end_dir = None if run_end.configured_directory() else tempfile.mkdtemp(prefix="lightning-ft-run-end-")
+    run_end_dir = run_end.configured_directory() or own_run_end_dir
     groups: list[ReplicaGroup] = []
     relays: list[threading.Thread] = []
     try:
         for group_id in group_ids:
             process = subprocess.Popen(
                 torchrun_command(args.nproc_per_group, args.max_restarts, cmd),
-                env=group_environment(group_id, args.replica_groups, url, events_dir, args.start_timeout, run_id),
+                env=group_environment(
+                    group_id, args.replica_groups, url, events_dir, args.start_timeout, run_id, run_end_dir
+                ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -374,18 +385,21 @@ def run(args: argparse.Namespace) -> int:
             assert events_dir is not None
             monkey = ChaosMonkey(schedule, events_dir, {g.group_id: g.process.pid for g in groups}, _say)
             monkey.start()
-        while not stop.is_set() and any(group.process.poll() is None for group in groups):
-            if finished_at is None and any(group.process.returncode == 0 for group in groups):
-                finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() - finished_at > args.finish_grace:
-                late = [g.group_id for g in groups if g.process.poll() is None]
-                stopped_late.update(late)
-                _say(
-                    f"lightning-ft launch: a group finished {args.finish_grace:.0f}s ago; stopping groups {late}, "
-                    f"which are still running (a group restarted after its peers finished would train alone)"
-                )
+        while not stop.is_set():
+            # Every group, every poll: the job's state never depends on which group's process exits first.
+            exit_codes = {group.group_id: group.process.poll() for group in groups}
+            for line in job.observe(exit_codes, set(run_end.finished_groups(run_end_dir, run_id))):
+                _say(f"lightning-ft launch: {line}")
+            if job.done():
                 break
             stop.wait(0.2)
+        stopped_late.update(job.running)
+        if stopped_late and not stop.is_set():
+            _say(
+                f"lightning-ft launch: the job finished {args.finish_grace:g}s ago; stopping groups "
+                f"{sorted(stopped_late)}, which are still running (a group restarted after its peers finished "
+                f"would train alone)"
+            )
     finally:
         if monkey is not None:
             monkey.stop()
@@ -394,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
             relay.join(timeout=5)
         if lighthouse is not None:
             lighthouse.shutdown()
+        if own_run_end_dir is not None:
+            shutil.rmtree(own_run_end_dir, ignore_errors=True)
         if scratch_events is not None:
             shutil.rmtree(scratch_events, ignore_errors=True)
             print(
@@ -405,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     if stop.is_set():
         print("lightning-ft launch: stopped on request; every group was shut down", flush=True)
         return 130
-    failed = [group for group in groups if group.process.returncode != 0 and group.group_id not in stopped_late]
+    failed = [group for group in groups if group.group_id in job.failed]
     for group in failed:
         print(
             f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "

@@ -4,9 +4,12 @@ A group that starts while no live peer is ahead of it would otherwise form a quo
 initial (or stale) weights as if it were the whole job: a second model, silently. This module decides, once per
 process and before the first quorum, on the group's rank 0 (the decision is broadcast in the group):
 
-1. **After the end.** If the job's record (:mod:`lightning_ft.start.record`) says it finished under the same limits,
-   the group exits 0 at once (:class:`JobAlreadyFinished`), before it registers with the lighthouse: no training, no
-   logging, no checkpoint. This holds whatever engine started it.
+1. **After the end.** If a group of this run reported the run's end (:mod:`lightning_ft_job.run_end`), or the job's
+   record (:mod:`lightning_ft.start.record`) says it finished under the same limits, the group exits 0 at once
+   (:class:`JobAlreadyFinished`), before it registers with the lighthouse: no training, no logging, no checkpoint.
+   This holds whatever engine started it, and it is checked again on every poll of the wait below: a group restarted
+   just before its peers finished learns of the end while it waits, instead of waiting ``start_timeout`` for peers
+   that are gone.
 2. **A coherent start.** Until every one of ``num_replica_groups`` groups heartbeats to the lighthouse, a group
    waits (``start_timeout``), unless the job is already under way: a member of the last quorum of another group is
    still alive, so this group is a late joiner and heals from it. When the timeout expires, the job starts with the
@@ -40,6 +43,7 @@ from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft.start.record import FinishedJob, JobRecord
 from lightning_ft_job import events
+from lightning_ft_job.run_end import GroupFinished
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -47,11 +51,13 @@ POLL_INTERVAL_S = 0.2
 
 
 class JobAlreadyFinished(SystemExit):
-    """The job this group belongs to has already finished: the group exits 0 without training."""
+    """The job this group belongs to has already finished, at committed step ``step``: the group exits 0 without
+    training (``message``: the one line it printed)."""
 
-    def __init__(self, finished: FinishedJob) -> None:
+    def __init__(self, step: int, message: str) -> None:
         super().__init__(0)
-        self.finished = finished
+        self.step = step
+        self.message = message
 
 
 class NoLivePeerError(LightningFTError, RuntimeError):
@@ -71,6 +77,8 @@ class StartDecision:
     missing_groups: tuple[int, ...] = field(default_factory=tuple)
     # A setting that differs between the groups of the job (raised as FTConfigError).
     config_error: str | None = None
+    # A group of this run reported the run's end while this one waited: it exits 0 (JobAlreadyFinished).
+    run_ended: GroupFinished | None = None
 
 
 @dataclass
@@ -84,6 +92,8 @@ class StartContext:
     start_timeout_s: float
     attempt: int  # torchrun's restart count of this group
     record: JobRecord
+    # The first report of this run's end by one of its groups, or None (lightning_ft_job.run_end); polled while waiting.
+    run_ended: Callable[[], GroupFinished | None] = lambda: None
 
 
 def finished_job(record: JobRecord, max_steps: int, max_epochs: int | None) -> FinishedJob | None:
@@ -107,6 +117,13 @@ def finished_job(record: JobRecord, max_steps: int, max_epochs: int | None) -> F
     return None
 
 
+def run_ended_message(report: GroupFinished, group: int) -> str:
+    return (
+        f"lightning-ft: replica group {group} exits without training: its run {report.run_id} already finished at "
+        f"committed step {report.step} (replica group {report.group}: {report.reason}); nothing is left to train."
+    )
+
+
 def already_finished_message(finished: FinishedJob, group: int) -> str:
     return (
         f"lightning-ft: replica group {group} exits without training: the job whose checkpoints are in "
@@ -126,6 +143,8 @@ def decide_start(
         status, missing = _wait_for_groups(context, read_status, clock, sleep)
     except _GroupsDisagree as mismatch:
         return StartDecision(config_error=str(mismatch))
+    except _RunEnded as ended:
+        return StartDecision(run_ended=ended.report)
     live_peers = bool(status and status.fresh_groups(context.prefix) - {context.group})
     job_seen_before = context.attempt > 0 or bool(status and status.has_members_of(context.prefix))
     newest = context.record.newest()
@@ -160,6 +179,14 @@ def decide_start(
 
 class _GroupsDisagree(Exception):
     """The groups of the job were given different ``num_replica_groups``."""
+
+
+class _RunEnded(Exception):
+    """A group of this run reported the run's end while this group waited."""
+
+    def __init__(self, report: GroupFinished) -> None:
+        super().__init__(report)
+        self.report = report
 
 
 def _num_groups_mismatch(context: StartContext, status: LighthouseStatus | None) -> str | None:
@@ -197,6 +224,9 @@ def _wait_for_groups(
     everyone = set(range(context.num_groups))
     announced = False
     while True:
+        ended = context.run_ended()
+        if ended is not None:
+            raise _RunEnded(ended)
         try:
             status = read_status(context.lighthouse)
         except StatusPageUnreadable as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,10 +25,11 @@ from lightning_ft.start.decision import (
     already_finished_message,
     decide_start,
     finished_job,
+    run_ended_message,
 )
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.step.protocol import StepProtocol
-from lightning_ft_job import events
+from lightning_ft_job import events, run_end
 from lightning_ft_job.environment import torchrun_restart_count
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -41,28 +43,54 @@ class GroupLifecycle:
         settings: The group's settings (id, job size, lighthouse, ``start_timeout``).
         group_rank: This process's rank in its group; rank 0 reads and writes the record.
         broadcast: The group's broadcast from rank 0 (``Strategy.broadcast``).
+        run_id: The run this group belongs to, the same in every group and restart of the run
+            (:func:`lightning_ft_job.events.run_id`, agreed on in the group): whose end it reports and heeds.
     """
 
     def __init__(
-        self, trainer: pl.Trainer, settings: FTSettings, group_rank: int, broadcast: Callable[[Any], Any]
+        self,
+        trainer: pl.Trainer,
+        settings: FTSettings,
+        group_rank: int,
+        broadcast: Callable[[Any], Any],
+        run_id: str,
     ) -> None:
         self.record = JobRecord(durable_checkpoint_dirs(trainer))
         self._settings = settings
         self._group_rank = group_rank
         self._broadcast = broadcast
+        self._run_id = run_id
         self._refused_a_save = False
+
+    def _run_end_directory(self) -> Path | None:
+        return run_end.configured_directory() or events.current_directory()
+
+    def run_ended(self) -> run_end.GroupFinished | None:
+        """The first report of this run's end by one of its groups (the lowest group id), or None."""
+        reports = run_end.finished_groups(self._run_end_directory(), self._run_id)
+        return reports[min(reports)] if reports else None
 
     def exit_if_job_finished(self, trainer: pl.Trainer) -> None:
         """A group started after its job finished exits 0 at once: no training, logging or checkpoint. Called before
-        the group registers with the lighthouse."""
-        finished = None
-        if self._group_rank == 0 and self.record.exists:
-            finished = finished_job(self.record, trainer.max_steps, trainer.max_epochs)
-        finished = self._broadcast(finished)
-        if finished is not None:
-            log.warning(already_finished_message(finished, self._settings.replica_group_id))
-            events.emit("job_already_finished", step=finished.step, directory=str(finished.directory))
-            raise JobAlreadyFinished(finished)
+        the group registers with the lighthouse. The job finished when a group of this run reported its end, or when
+        the job's record says so under the same limits."""
+        answer: tuple[int, str, str] | None = None
+        if self._group_rank == 0:
+            group = self._settings.replica_group_id
+            ended = self.run_ended()
+            finished = finished_job(self.record, trainer.max_steps, trainer.max_epochs) if self.record.exists else None
+            if ended is not None:
+                answer = (ended.step, run_ended_message(ended, group), "")
+            elif finished is not None:
+                answer = (finished.step, already_finished_message(finished, group), str(finished.directory))
+        answer = self._broadcast(answer)
+        if answer is not None:
+            self._exit_finished(*answer)
+
+    def _exit_finished(self, step: int, message: str, directory: str) -> None:
+        log.warning(message)
+        events.emit("job_already_finished", step=step, directory=directory or None, run=self._run_id)
+        raise JobAlreadyFinished(step, message)
 
     def start_where_the_job_is(self, trainer: pl.Trainer, protocol: StepProtocol, patches: LoopPatches) -> None:
         """Wait for a coherent start, then make sure this group never trains from a state older than the job's:
@@ -79,10 +107,15 @@ class GroupLifecycle:
                     start_timeout_s=settings.start_timeout.total_seconds(),
                     attempt=torchrun_restart_count(),
                     record=self.record,
+                    run_ended=self.run_ended,
                 )
             )
         decision = self._broadcast(decision)
         assert isinstance(decision, StartDecision)
+        if decision.run_ended is not None:
+            self._exit_finished(
+                decision.run_ended.step, run_ended_message(decision.run_ended, self._settings.replica_group_id), ""
+            )
         if decision.config_error is not None:
             raise FTConfigError(decision.config_error)
         if decision.error is not None:
@@ -125,9 +158,10 @@ class GroupLifecycle:
         return True
 
     def record_the_end(self, trainer: pl.Trainer, committed_step: int) -> None:
-        """A fit that ended normally ended the job: each group's rank 0 says so in the job's record, so that a group
-        started after the end exits instead of training a new model."""
-        if self._group_rank != 0 or not self.record.exists:
+        """A fit that ended normally ended the job: each group's rank 0 says so in the run's end report and the job's
+        record, so that a group started after the end exits instead of waiting for its peers or training a new model,
+        and the launcher counts this group as finished whatever its process does afterwards."""
+        if self._group_rank != 0:
             return
         if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
             reason = f"max_steps={trainer.max_steps} reached"
@@ -138,6 +172,12 @@ class GroupLifecycle:
         elif trainer.should_stop:
             reason = "stopped early"
         else:
+            return
+        directory = self._run_end_directory()
+        if directory is not None:
+            report = run_end.GroupFinished(self._run_id, self._settings.replica_group_id, committed_step, reason)
+            run_end.report_finished(directory, report)
+        if not self.record.exists:
             return
         self.record.mark_finished(
             step=committed_step,

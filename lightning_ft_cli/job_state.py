@@ -1,0 +1,99 @@
+"""The launcher's view of the job, computed from every group's state on every poll: running, finished or failed.
+
+One rule, whichever group is where: the job has **finished** as soon as one group finished it (its rank 0 reported
+the run's end, :mod:`lightning_ft_job.run_end`, or its torchrun job exited 0). From then on
+
+* a group whose process exits after it reported its end has finished, whatever its exit code (logged once);
+* a group that exits with an error after the job finished came back after the end: it cannot change the job's
+  model, so it is logged once and not counted as a failure;
+* groups still running ``finish_grace`` seconds after the job finished are stopped, on purpose (a group restarted
+  after the end exits by itself when it can read the run's end; this is the backstop when it cannot).
+
+Before the job finished, a group whose torchrun job exits with an error has used up its restarts: it failed, and the
+launcher exits 1 once everything has stopped. Nothing here depends on the order in which processes exit: every poll
+reads every group's exit code and every report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Set
+from dataclasses import dataclass, field
+
+
+@dataclass
+class JobState:
+    """What the launcher knows of the job; :meth:`observe` takes one poll of every group.
+
+    Args:
+        group_ids: The groups this launcher started.
+        finish_grace: Seconds after the job finished before groups still running are stopped.
+        clock: Monotonic seconds.
+    """
+
+    group_ids: tuple[int, ...]
+    finish_grace: float
+    clock: Callable[[], float]
+    finished_at: float | None = None  # when the job finished (the first report or exit 0 seen)
+    finished_by: int | None = None  # the group that finished it first
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    reported: set[int] = field(default_factory=set)  # groups whose rank 0 reported the run's end
+    failed: set[int] = field(default_factory=set)  # exited with an error before the job finished
+    _explained: set[int] = field(default_factory=set)
+
+    def observe(self, exit_codes: Mapping[int, int | None], reported: Set[int]) -> list[str]:
+        """Take one poll (each group's exit code, None while it runs, and the groups that reported the run's end);
+        return the lines to print about it, each said once."""
+        self.exit_codes = dict(exit_codes)
+        self.reported |= set(reported)
+        lines: list[str] = []
+        if self.finished_at is None:
+            # A failure seen in the same poll as the job's end counts as before it: never hide a failure.
+            for group in self.group_ids:
+                code = self.exit_codes.get(group)
+                if code not in (None, 0) and group not in self.reported and group not in self.failed:
+                    self.failed.add(group)
+                    lines.append(
+                        f"replica group {group} failed (exit code {code}) and will not be restarted; the other "
+                        f"groups go on"
+                    )
+            first = sorted(self.reported) or [g for g in self.group_ids if self.exit_codes.get(g) == 0]
+            if first:
+                self.finished_at = self.clock()
+                self.finished_by = first[0]
+                still = [g for g in self.running if g not in self.reported]
+                if still:
+                    lines.append(
+                        f"the job finished (replica group {self.finished_by} reached its end); replica groups "
+                        f"{still} are still running and are stopped if they have not ended in {self.finish_grace:g}s"
+                    )
+        for group in self.group_ids:
+            code = self.exit_codes.get(group)
+            if code in (None, 0) or group in self._explained or group in self.failed:
+                continue
+            self._explained.add(group)
+            if group in self.reported:
+                lines.append(
+                    f"replica group {group} exited with code {code} after it had finished; it counts as finished"
+                )
+            else:
+                lines.append(
+                    f"replica group {group} exited with code {code} after the job had finished; the job's model is "
+                    f"the finished groups', so this is not counted as a failure"
+                )
+        return lines
+
+    @property
+    def running(self) -> list[int]:
+        return [group for group in self.group_ids if self.exit_codes.get(group) is None]
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def grace_expired(self) -> bool:
+        """Whether the job finished more than ``finish_grace`` seconds ago."""
+        return self.finished_at is not None and self.clock() - self.finished_at > self.finish_grace
+
+    def done(self) -> bool:
+        """Nothing left to wait for: every group has exited, or the job finished and its grace has expired."""
+        return not self.running or self.grace_expired()

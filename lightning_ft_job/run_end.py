@@ -1,0 +1,81 @@
+"""The run's end, as its groups report it: one small file per group whose fit ended the job, in a folder of the run's.
+
+"The job" is one run (one run id: :func:`lightning_ft_job.events.run_id`), not a folder. When a group's fit ends the
+job (``max_steps``, ``max_epochs``, or a job-wide stop), its rank 0 writes ``run_end.<run id>.group<G>.json`` here.
+Two readers act on it:
+
+* a group of the same run that starts or restarts afterwards (a torchrun restart that came back after its peers
+  finished) reads it before it waits for anyone, says so in one line and exits 0, instead of waiting for peers that are
+  gone (:mod:`lightning_ft.start.lifecycle`);
+* ``lightning-ft launch`` reads it on every poll: a group that reported its end has finished, whatever its process
+  does afterwards (an exit code other than 0 during teardown is logged once, never counted as a failure).
+
+Where: ``LIGHTNING_FT_RUN_END_DIR`` (``lightning-ft launch`` sets a folder of its own for each launch; a scheduler
+that starts groups on several hosts can give a shared path), else the run's event directory (the same for every group
+and restart of a run on one machine). Neither: no report, and a group restarted after the end waits for peers as
+before, until its launcher stops it (``--finish-grace``).
+
+Torch-free: the launcher imports it. Files are written to a temporary name and renamed, so a reader never sees half
+of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_RUN_END_DIR = "LIGHTNING_FT_RUN_END_DIR"
+_PREFIX = "run_end."
+
+
+@dataclass(frozen=True)
+class GroupFinished:
+    """One group's report that its fit ended the run: at which committed step, and why."""
+
+    run_id: str
+    group: int
+    step: int
+    reason: str
+
+
+def _name(run_id: str, group: int) -> str:
+    return f"{_PREFIX}{run_id.replace(os.sep, '_')}.group{group}.json"
+
+
+def report_finished(directory: str | os.PathLike[str], report: GroupFinished) -> None:
+    """Write ``report`` into ``directory`` (created if missing)."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / _name(report.run_id, report.group)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(report.__dict__, sort_keys=True))
+    os.replace(partial, path)
+
+
+def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> dict[int, GroupFinished]:
+    """Every group of run ``run_id`` that reported its end in ``directory``, by group id (none if no directory)."""
+    if directory is None:
+        return {}
+    reports = {}
+    prefix = f"{_PREFIX}{run_id.replace(os.sep, '_')}.group"
+    try:
+        paths = [path for path in Path(directory).iterdir() if path.name.startswith(prefix)]
+    except FileNotFoundError:
+        return {}
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            report = GroupFinished(str(data["run_id"]), int(data["group"]), int(data["step"]), str(data["reason"]))
+        except (OSError, ValueError, KeyError, TypeError):  # removed meanwhile, or not one of ours: not a report
+            continue
+        if report.run_id == run_id:
+            reports[report.group] = report
+    return reports
+
+
+def configured_directory() -> Path | None:
+    """``LIGHTNING_FT_RUN_END_DIR`` when it is set and not empty, else None."""
+    value = os.environ.get(ENV_RUN_END_DIR, "").strip()
+    return Path(value) if value else None
