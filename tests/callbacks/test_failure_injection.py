@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def hold_survivor_until_the_victim_rejoins(job: LaunchedJob, *, first_pid: int, 
         lambda: (pid := job.worker_pid(1, 0)) != first_pid and pid,
     )
     job.wait_for("the restarted group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
+    job.release_until_healed({0: hold}, 1, since=failed_at)
 
 
 def test_an_exception_in_one_replicas_training_loop_restarts_only_that_group(launch):
@@ -232,11 +233,12 @@ def test_a_group_that_heals_where_a_consistency_check_is_due_takes_part_in_it(la
     victim = job.worker_pid(1, 0, attempt)
     job.wait_for("group 1 to commit 3 steps with its peer", lambda: len(job.committed_steps(1, pid=victim)) >= 3)
     hold = job.hold_from_step(0, 35)
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     job.wait_for("group 0 to reach step 35 alone and stop", lambda: job.events("paused", group=0, phase="from_step"))
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
+    job.release_until_healed({0: hold}, 1, since=killed_at)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     healed = job.events("healed", pid=restarted)
     assert healed and healed[0]["step"] == 35, healed

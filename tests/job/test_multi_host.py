@@ -55,7 +55,8 @@ def test_a_group_killed_on_its_host_restarts_there_and_heals_from_the_other_host
         stop_process(lighthouse)
 
     restarted = job1.events("started", group=1)
-    assert [e["pid"] for e in restarted][:1] == [first_pid] and len(restarted) == 2, restarted
+    # Restarted at least once (a restart whose first quorum failed on a starved heartbeat is restarted again).
+    assert [e["pid"] for e in restarted][:1] == [first_pid] and len(restarted) >= 2, restarted
     # The restart ran on host C: both workers are children of the one torchrun agent started there.
     assert len({e["ppid"] for e in restarted}) == 1, restarted
     assert len(job0.events("started", group=0)) == 1, "group 0 must not have been restarted"

@@ -102,7 +102,7 @@ def test_a_step_with_a_healing_group_is_averaged_over_the_participants_only(laun
     job.wait_held_alone(0, since=killed_at)
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
+    job.release_until_healed({0: hold}, 1, since=killed_at)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
 
     healing = job.events("trained", pid=restarted)[0]

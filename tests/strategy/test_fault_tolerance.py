@@ -2,8 +2,8 @@
 
 The test drives timing through file gates in the worker (see ``TestGates``), never through sleeps: all groups start
 together, the victim is killed after committing steps with its peer, the survivor must commit on its own, and is
-then paused (Manager still heartbeating) until torchrun has restarted the victim, so the run cannot end before the
-restarted group rejoins.
+then paused (Manager still heartbeating) until the restarted victim has healed from it, so the run cannot end before
+the restarted group rejoins, however many restarts that takes.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def start_together(job: LaunchedJob, groups: int, nproc: int) -> None:
 
 def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int, nproc: int = 1) -> float:
     """SIGKILL ``victim``'s worker ``rank`` after it committed steps together with its peer; let the survivor
-    commit alone; pause the survivor until every rank of the restarted victim is about to ask for its first quorum
-    (the lighthouse's majority rule then holds that request until the survivor asks too, so the restarted group is
-    in the next quorum). Returns the time of the kill.
+    commit alone; hold the survivor until the restarted victim has healed from it (:meth:`LaunchedJob.release_until_
+    healed`: one step at a time while the victim asks to join, whatever number of restarts that takes). Returns the
+    time of the kill.
 
     The survivor's pause is set before the kill, at a step well past the victim's last one seen (the victim may
     commit a few more before the SIGKILL lands): a pause set after the survivor's solo commits could come after it
@@ -68,7 +68,7 @@ def kill_and_restart(job: LaunchedJob, *, victim: int, rank: int, survivor: int,
         f"restarted group {victim} to ask for its first quorum",
         lambda: all(job.events("joining", group=victim, pid=pid) for pid in restarted),
     )
-    hold.unlink()
+    job.release_until_healed({survivor: hold}, victim, since=killed_at)
     return killed_at
 
 
@@ -185,7 +185,7 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     job.wait_held_alone(0, since=killed_at)
     restarted = job.wait_for("torchrun to restart group 1", lambda: job.worker_pid(1, 0, attempt + 1))
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
+    job.release_until_healed({0: hold}, 1, since=killed_at)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
     record("SIGKILL of a group inside validation (sync quorum, pg heal)", job, failed_at=killed_at, victim=1,
            survivors=[0])  # fmt: skip
@@ -283,7 +283,7 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
         f"torchrun to restart group {source}", lambda: job.worker_pid(source, 0, source_attempt + 1)
     )
     job.wait_for(f"group {source} to ask for its first quorum", lambda: job.events("joining", pid=restarted_source))
-    hold.unlink()
+    job.release_until_healed({other: hold}, source, since=source_killed_at)
     assert job.wait_exit() == 0, job.tail()
 
     assert len(job.events("started", group=other)) == 1, f"group {other} must stay up throughout"
@@ -293,7 +293,7 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
     )
     failed = [e for e in job.events("step", pid=healer, committed=False) if e["time"] < heals[0]["time"]]
     assert failed and "error" in failed[0], f"the half-received state must fail the healer's step\n{job.tail()}"
-    source_heals = job.events("healed", pid=restarted_source)
+    source_heals = job.events("healed", pid=job.worker_pid(source, 0))
     assert source_heals and source_heals[0]["step"] > 0, f"group {source} never healed after its restart"
     states = job.final_states()
     for key, state in states.items():

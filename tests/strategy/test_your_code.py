@@ -140,7 +140,7 @@ def kill_at_gate(job: LaunchedJob, *, victim: int, survivor: int, gate: str, val
     job.wait_held_alone(survivor, since=killed_at)
     restarted = job.wait_for(f"torchrun to restart group {victim}", lambda: job.worker_pid(victim, 0, attempt + 1))
     job.wait_for(f"group {victim} to ask for its first quorum", lambda: job.events("joining", pid=restarted))
-    hold.unlink()
+    job.release_until_healed({survivor: hold}, victim, since=killed_at)
 
 
 @pytest.mark.parametrize("micro_batch", [1, 3])

@@ -116,6 +116,42 @@ class LaunchedJob:
         partial.replace(gate)
         return gate
 
+    def release_until_healed(
+        self, holds: dict[int, Path], victims: int | tuple[int, ...], since: float, timeout: float = 240.0
+    ) -> None:
+        """Let the groups held by ``holds`` (:meth:`hold_from_step`) go on one step at a time, each time every
+        victim's current process has asked to join, until every victim has healed after ``since``; then remove the
+        holds.
+
+        What the survivors wait for is the victims' heal, not a step count: a restart that fails its first quorum (a
+        starved heartbeat can let it form one alone, and its floor check stops it) is restarted and asks again while
+        the survivors are still held, so they never run to ``max_steps`` without it. Each release lets a held group
+        commit one more step: a request that reached the lighthouse after that group's makes the next step's quorum
+        include it."""
+        waiting = {victims} if isinstance(victims, int) else set(victims)
+        released_at = dict.fromkeys(holds, since)
+
+        def healed() -> bool:
+            waiting.difference_update(
+                {e["group"] for e in self.events("healed", rank=0) if e["time"] > since and e["step"] > 0}
+            )
+            if not waiting:
+                return True
+            pids = [self.worker_pid(victim, 0) for victim in waiting]
+            if all(pid and self.events("joining", pid=pid) for pid in pids):
+                for group, hold in holds.items():
+                    paused = self.events("paused", group=group, phase="from_step")
+                    if paused and paused[-1]["time"] > released_at[group]:
+                        released_at[group] = time.time()
+                        partial = hold.with_suffix(".partial")
+                        partial.write_text(str(paused[-1]["step"] + 1))
+                        partial.replace(hold)
+            return False
+
+        self.wait_for(f"group(s) {sorted(waiting)} to heal from a live peer", healed, timeout)
+        for hold in holds.values():
+            hold.unlink(missing_ok=True)
+
     def lighthouse_url(self) -> str:
         """The embedded lighthouse's address, from the launcher's status-page line."""
 

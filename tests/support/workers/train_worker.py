@@ -581,6 +581,12 @@ def main() -> None:
     parser.add_argument(
         "--find-unused-parameters", type=int, default=None, help="FTStrategy(find_unused_parameters=...): 0 or 1"
     )
+    parser.add_argument(
+        "--crash-after-fit",
+        type=int,
+        default=None,
+        help="in this group's first life, exit 9 once fit has returned (a teardown that crashes after the end)",
+    )
     args = parser.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -697,6 +703,8 @@ def main() -> None:
     if args.evaluate_after:
         trainer.validate(model, val_loader)
         trainer.test(model, val_loader)
+    if args.crash_after_fit == group and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os._exit(9)
 
 
 def exit_without_teardown_once_main_returned(returned: list[bool]) -> None:

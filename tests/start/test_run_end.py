@@ -1,0 +1,109 @@
+"""A group that comes back after its run finished exits 0 by itself, on every path, and the launcher ends at once.
+
+The victim is SIGKILLed a few steps before ``max_steps``; torchrun restarts it, but the test holds the restart before
+it builds its Trainer (the worker's ``hold_start.group<G>``) until every other group has finished and exited. The
+restarted group must then read the run's end (:mod:`lightning_ft_job.run_end`), say so in one line and exit 0 without
+training, and the launcher must exit 0 long before its ``--finish-grace`` of 600 s (the mechanism under test, not the
+backstop). No checkpoints are kept: the job has no record on disk, only its run.
+
+At 6bcf74e the restarted group waited ``start_timeout`` (300 s) for peers that were gone and then failed with
+``NoLivePeerError``; the launcher, which stopped reading exit codes at the first running group, never noticed that
+the victim's peers had finished when the victim was group 0. Each case here times out there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from harness import assert_bit_identical, assert_tree_equal, process_gone
+from test_fault_tolerance import GATES, start_together
+from test_one_job import held_at_start
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+HSDP = ["--data-parallel=fsdp", "--fsdp-wrap=Linear", "--async-quorum=0"]
+LOCAL_SGD = ["--algorithm=local_sgd", "--sync-every=4", "--async-quorum=0"]
+DILOCO = ["--algorithm=diloco", "--sync-every=4", "--fragments=1", "--async-quorum=0"]
+STREAMING = ["--algorithm=diloco", "--sync-every=4", "--fragments=2", "--async-quorum=0"]
+
+
+@pytest.mark.parametrize(
+    ("path", "groups", "victim", "before_end"),
+    [
+        pytest.param([], 2, 0, 3, id="ddp-2-groups-group-0-killed"),
+        pytest.param(DILOCO, 3, 1, 3, id="diloco-3-groups-group-1-killed"),
+        pytest.param(HSDP, 2, 1, 2, id="hsdp-2-groups-group-1-killed", marks=pytest.mark.paths),
+        pytest.param(LOCAL_SGD, 2, 0, 3, id="local_sgd-2-groups-group-0-killed", marks=pytest.mark.paths),
+        pytest.param(STREAMING, 2, 0, 1, id="streaming-diloco-2-groups-group-0-killed", marks=pytest.mark.paths),
+        pytest.param([], 3, 2, 1, id="ddp-3-groups-group-2-killed-1-step-before-the-end", marks=pytest.mark.paths),
+    ],
+)
+def test_a_group_restarted_after_its_run_finished_exits_0_and_the_launcher_ends(
+    launch, path, groups, victim, before_end
+):
+    max_steps = 24
+    job = launch(groups=groups, worker_args=[f"--max-steps={max_steps}", *path, *GATES],
+                 launcher_args=["--finish-grace=600"])  # fmt: skip
+    root = job.root
+    start_together(job, groups=groups, nproc=1)
+    held = job.hold_from_step(victim, max_steps - before_end)
+    job.wait_for(f"group {victim} to stop {before_end} step(s) before the end",
+                 lambda: job.events("paused", group=victim, phase="from_step"))  # fmt: skip
+    (root / f"hold_start.group{victim}").touch()
+    killed_at = time.time()
+    os.kill(job.worker_pid(victim, 0), signal.SIGKILL)
+    held.unlink()
+    job.wait_for(f"torchrun to restart group {victim} (held at its start)", lambda: held_at_start(root, victim, 1))
+    survivors = [g for g in range(groups) if g != victim]
+    pids = [job.worker_pid(g, 0) for g in survivors]
+    job.wait_for(
+        "every other group to finish and exit",
+        lambda: all(job.events("finished", group=g) for g in survivors) and all(map(process_gone, pids)),
+    )
+    released_at = time.monotonic()
+    (root / f"hold_start.group{victim}").unlink()
+    assert job.wait_exit(timeout=120) == 0, job.tail()
+    assert time.monotonic() - released_at < 120
+
+    log = job.log_path.read_text()
+    said = [line for line in log.splitlines() if "exits without training: its run" in line]
+    assert len(said) == 1 and f"[group {victim}]" in said[0], said
+    assert "NoLivePeerError" not in log and "stopping groups" not in log, job.tail()
+    assert job.events("job_already_finished", group=victim)
+    assert not [e for e in job.events(group=victim) if e["time"] > killed_at and e["event"] in ("started", "step")]
+    states = job.final_states()
+    assert sorted(states) == [(g, 0) for g in survivors], sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, key
+    assert_one_model(states, semi_sync="--algorithm" in " ".join(path))
+
+
+def assert_one_model(states: dict, semi_sync: bool) -> None:
+    """Per step, every replica's whole state is bit-identical; semi-synchronously, what the syncs make one (each group
+    keeps its own inner optimizer state): the parameters, the LR schedules and DiLoCo's outer state."""
+    if not semi_sync:
+        assert_bit_identical(states, replicas=len(states))
+        return
+    (first_key, first), *others = sorted(states.items())
+    assert others, "one final state alone proves nothing"
+    for key, state in others:
+        for name in ("outer_state", "model", "lr_schedulers", "lrs"):
+            assert_tree_equal(first[name], state[name], f"{first_key} vs {key} {name}")
+
+
+def test_a_group_whose_process_crashes_after_it_finished_is_restarted_into_the_end_and_the_job_exits_0(launch):
+    """Group 0 finishes and then its process exits 9 (a teardown that crashed after the final state); its restart
+    reads the run's end and exits 0. The job's two final states are identical and the launcher exits 0."""
+    max_steps = 20
+    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", "--crash-after-fit=0", *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit(timeout=180) == 0, job.tail()
+    assert job.events("job_already_finished", group=0), job.tail()
+    assert len(job.events("finished", group=0)) == 1
+    states = job.final_states()
+    assert_bit_identical(states, replicas=2)
+    for state in states.values():
+        assert state["global_step"] == max_steps
