@@ -114,6 +114,20 @@ def test_sigkill_one_of_two_groups(launch):
            survivors=[0])  # fmt: skip
 
 
+def test_a_restart_that_dies_after_asking_to_join_is_waited_for_until_the_next_one_heals(launch):
+    """The victim's first restart asks to join and dies before it heals (a slow or failed restart, as a loaded machine
+    makes one); its second restart heals. The survivor waits for the heal, not for the first request to join: on a
+    gate released at that request (6bcf74e's), the survivor runs to ``max_steps`` alone while the second restart
+    starts, which then finds the run ended, and the job ends with one final state instead of two."""
+    max_steps = 60
+    job = launch(groups=2, max_restarts=3, worker_args=[f"--max-steps={max_steps}", "--die-after-joining=1:1", *GATES])
+    start_together(job, groups=2, nproc=1)
+    kill_and_restart(job, victim=1, rank=0, survivor=0)
+    assert job.events("dying_after_joining", group=1), job.tail()
+    assert job.attempt(1, 0) == 2, "the second restart is the one that heals"
+    assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+
+
 def test_without_unused_parameter_search_the_restarted_group_s_gradients_line_up_with_its_peer_s(launch):
     """``find_unused_parameters=False``: DDP would lay the restarted group's first-step gradients out in one bucket
     in parameter order against its peer's rebuilt, backward-ordered one; the pinned layout keeps them in line, and

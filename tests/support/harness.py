@@ -120,8 +120,8 @@ class LaunchedJob:
         self, holds: dict[int, Path], victims: int | tuple[int, ...], since: float, timeout: float = 240.0
     ) -> None:
         """Let the groups held by ``holds`` (:meth:`hold_from_step`) go on one step at a time, each time every
-        victim's current process has asked to join, until every victim has healed after ``since``; then remove the
-        holds.
+        victim's current process has asked to join and is alive, until every victim has healed after ``since``; then
+        remove the holds.
 
         What the survivors wait for is the victims' heal, not a step count: a restart that fails its first quorum (a
         starved heartbeat can let it form one alone, and its floor check stops it) is restarted and asks again while
@@ -138,7 +138,8 @@ class LaunchedJob:
             if not waiting:
                 return True
             pids = [self.worker_pid(victim, 0) for victim in waiting]
-            if all(pid and self.events("joining", pid=pid) for pid in pids):
+            # Only for a live request: a restart that asked and died meanwhile must not let the survivors go on.
+            if all(pid and self.events("joining", pid=pid) and not process_gone(pid) for pid in pids):
                 for group, hold in holds.items():
                     paused = self.events("paused", group=group, phase="from_step")
                     if paused and paused[-1]["time"] > released_at[group]:

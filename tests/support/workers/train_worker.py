@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -443,6 +444,19 @@ class RecordMetrics(pl.Callback):
             events.emit("metrics", stage="train", fn="fit", step=trainer.global_step, values=values)
 
 
+class DieAfterJoining(pl.Callback):
+    """SIGKILL this process at the start of its first batch (its first quorum asked for, its heal not yet applied with
+    asynchronous quorum) in one given restart attempt: a restart that asks to join and dies before it heals."""
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt = attempt
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == str(self.attempt):
+            events.emit("dying_after_joining", step=trainer.global_step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SaveFinalState(pl.Callback):
     """Write every replica's final model, optimizer and scheduler state for the test to compare."""
 
@@ -582,6 +596,12 @@ def main() -> None:
         "--find-unused-parameters", type=int, default=None, help="FTStrategy(find_unused_parameters=...): 0 or 1"
     )
     parser.add_argument(
+        "--die-after-joining",
+        default=None,
+        metavar="G:A",
+        help="group G's restart attempt A SIGKILLs itself at its first batch, after asking to join, before healing",
+    )
+    parser.add_argument(
         "--crash-after-fit",
         type=int,
         default=None,
@@ -609,6 +629,10 @@ def main() -> None:
         callbacks.append(ReplicaConsistencyCheck(every_n_steps=args.consistency_every))
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
+    if args.die_after_joining is not None:
+        dying_group, dying_attempt = (int(part) for part in args.die_after_joining.split(":"))
+        if group == dying_group:
+            callbacks.append(DieAfterJoining(dying_attempt))
     if args.index_data is not None:
         sync_quorum = not args.async_quorum or args.data_mode == "exactly_once"
         callbacks.append(RecordBatches(quorum_formed_at_batch_start=sync_quorum, accumulate=args.accumulate))
