@@ -9,7 +9,6 @@ everything it started when asked to. Across machines, use torchrun (or a schedul
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ from urllib.parse import urlsplit
 
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft_cli.job_state import JobState
-from lightning_ft_cli.processes import children_of, terminate_with_parent
+from lightning_ft_cli.processes import STOP_GRACE_SECONDS, stop_process_sessions, terminate_with_parent
 from lightning_ft_job import run_end
 from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
 from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
@@ -37,8 +36,6 @@ from lightning_ft_job.lighthouse_server import (
 )
 from lightning_ft_job.run_end import ENV_RUN_END_DIR
 from lightning_ft_job.torchrun import group_variables, torchrun_arguments
-
-STOP_GRACE_SECONDS = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,39 +207,6 @@ def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> Non
     stream.close()
 
 
-def _stop_groups(groups: list[ReplicaGroup]) -> None:
-    """SIGTERM each torchrun job we started (its agent stops its workers), then SIGKILL what is left of them.
-
-    A worker stuck where SIGTERM cannot stop it (inside a collective with a dead peer, say) keeps its agent waiting
-    for its own 30-s grace. After ours, the agent's session gets SIGKILL, and so does each worker's: torchrun starts
-    every worker in a session of its own, which the agent's does not include, and a worker left behind would live on
-    as an orphan.
-    """
-    for group in groups:
-        if group.process.poll() is None:
-            group.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for group in groups:
-        try:
-            group.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            workers = children_of(group.process.pid)  # before the agent dies: then they would be init's children
-            # The group runs in the session we created for it, whose id is the torchrun PID we started.
-            os.killpg(group.process.pid, signal.SIGKILL)
-            for worker in workers:
-                _kill_session(worker)
-            group.process.wait()
-
-
-def _kill_session(leader: int) -> None:
-    """SIGKILL the session that ``leader`` leads (a worker and its data-loader processes), or ``leader`` alone."""
-    try:
-        os.killpg(leader, signal.SIGKILL)
-    except ProcessLookupError:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(leader, signal.SIGKILL)
-
-
 QUIET_WARNINGS = "ignore::FutureWarning:lightning.pytorch.utilities._pytree"
 
 
@@ -403,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if monkey is not None:
             monkey.stop()
-        _stop_groups(groups)
+        stop_process_sessions([group.process for group in groups], STOP_GRACE_SECONDS)
         for relay in relays:
             relay.join(timeout=5)
         if lighthouse is not None:
