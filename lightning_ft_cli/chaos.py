@@ -94,16 +94,24 @@ class ChaosMonkey:
         committed_pids = {
             r["pid"] for r in records if r["event"] == "step" and r.get("committed") and r["time"] > since
         }
+        # A worker that has finished is in its last moments (teardown), not training: killing it then would make
+        # torchrun restart a group whose job is over.
+        finished_pids = {r["pid"] for r in records if r["event"] == "finished"}
         up = []
         for group, ranks in self._workers().items():
             if ranks and all(
                 r["pid"] in committed_pids
+                and r["pid"] not in finished_pids
                 and r["pid"] not in self._killed_pids
                 and parent_pid(r["pid"]) == self.agent_pids[group]
                 for r in ranks.values()
             ):
                 up.append(group)
         return sorted(up)
+
+    def _job_finished(self) -> bool:
+        """Whether a group has finished training: the job is over, and nothing is left to rehearse."""
+        return any(r["event"] == "finished" for r in read_events(self.events_dir))
 
     def _max_committed_step(self) -> int:
         steps = [r["step"] for r in read_events(self.events_dir) if r["event"] == "step" and r.get("committed")]
@@ -114,6 +122,12 @@ class ChaosMonkey:
         rng = random.Random(self.schedule.seed)
         started = time.monotonic()
         while len(self.kills) < self.schedule.count and not self._stop.is_set():
+            if self._job_finished():
+                self.report(
+                    f"lightning-ft launch: chaos: the job finished before kill {len(self.kills) + 1} of "
+                    f"{self.schedule.count}; no more kills"
+                )
+                return
             if not self._due(started):
                 self._stop.wait(0.2)
                 continue

@@ -4,17 +4,20 @@ ends with every replica at max_steps committed steps and bit-identical."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from harness import REPO, LaunchedJob, assert_bit_identical
+from harness import REPO, LaunchedJob, assert_bit_identical, process_gone
 from matrix import write
 from test_fault_tolerance import GATES, start_together
 
-from lightning_ft_cli.chaos import ChaosSchedule
+from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
 from lightning_ft_cli.launch import add_arguments, chaos_schedule, run
 
 
@@ -162,3 +165,44 @@ def test_twenty_random_kills_of_three_groups(launch):
     for kill in range(1, kills + 1):
         hold_others_until_the_victim_is_back(job, kill, groups=3)
     assert_survived(job, case="20 random kills of 3 groups (soak)", max_steps=max_steps, kills=kills, timeout=1100)
+
+
+def test_the_chaos_monkey_kills_nobody_once_the_job_has_finished(tmp_path):
+    """Two "groups", each an agent process with one worker child, both having committed steps; one has logged
+    ``finished`` (its worker in teardown). The monkey's step is due, yet it must kill nobody: a worker killed after the
+    end made torchrun restart a group whose job was over (the DiLoCo hang, once in ten runs). At 6bcf74e it killed
+    one of them."""
+    sleeper = "import time; time.sleep(120)"
+    agent = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {sleeper!r}]); "
+        f"print(p.pid, flush=True); time.sleep(120)"
+    )
+    agents = [subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    workers = [int(a.stdout.readline()) for a in agents]
+    said: list[str] = []
+    try:
+        now = time.time()
+        lines = []
+        for group, worker in enumerate(workers):
+            base = {"group": group, "rank": 0, "pid": worker}
+            lines += [{**base, "event": "started", "time": now, "attempt": 0},
+                      {**base, "event": "step", "time": now + 1, "step": 5, "committed": True}]  # fmt: skip
+        lines.append({"group": 0, "rank": 0, "pid": workers[0], "event": "finished", "time": now + 2, "step": 5})
+        for group in (0, 1):
+            text = "".join(json.dumps(line) + "\n" for line in lines if line["group"] == group)
+            (tmp_path / f"group{group}.rank0.jsonl").write_text(text)
+        monkey = ChaosMonkey(ChaosSchedule(count=1, at_steps=(3,), seed=0), str(tmp_path),
+                             {g: a.pid for g, a in enumerate(agents)}, said.append)  # fmt: skip
+        monkey.start()
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkey.stop()
+        assert said and "the job finished before kill 1 of 1" in said[0], said
+        assert not monkey.kills and not any(map(process_gone, workers)), said
+    finally:
+        for pid in [*workers, *(a.pid for a in agents)]:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        for a in agents:
+            a.wait(timeout=10)

@@ -1,0 +1,261 @@
+"""Random fault schedules, reproducible from a seed: a generator, the kills carried out on a real job, and the
+invariants every schedule must keep.
+
+A schedule is drawn from ``random.Random(seed)`` alone: the number of groups (2 or 3) and of processes per group,
+the path (per-step DDP with either quorum mode and heal transport, HSDP, LocalSGD, DiLoCo, streaming DiLoCo), the
+job's length, and 1 to 4 SIGKILLs, each of a random group at a random committed step (the job's last steps and a
+group killed again right after it rejoins included) and at a random point of its step:
+
+* ``batch_start``: at the start of a batch, its quorum asked for;
+* ``quorum``: with the lighthouse's answer in hand, before the group acts on it (heals, joins the collective);
+* ``allreduce``: inside the step's (or the sync's) cross-group allreduce, the peers left waiting in theirs.
+
+Kills are carried out one after another, never of every group at once: a group is killed only while another group
+is up (its current process has committed a step, or has finished). Survivors are never held for a victim, so a
+victim killed near the end may come back after its peers finished.
+
+The invariants (:func:`check_invariants`): the launcher exits 0 by itself, long before its ``--finish-grace`` (the
+job's end, not the backstop); every group that writes a final state holds one model at exactly ``max_steps``; a group
+without a final state came back after the end and said so (``job_already_finished``); no group failed for want of a
+peer (``NoLivePeerError``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from harness import LaunchedJob, assert_bit_identical, assert_tree_equal, process_gone
+
+PATHS = {
+    "ddp": [],
+    "ddp-sync-pg": ["--async-quorum=0", "--transport=pg"],
+    "hsdp": ["--data-parallel=fsdp", "--fsdp-wrap=Linear", "--async-quorum=0"],
+    "local_sgd": ["--algorithm=local_sgd", "--sync-every=4", "--async-quorum=0"],
+    "diloco": ["--algorithm=diloco", "--sync-every=4", "--fragments=1", "--async-quorum=0"],
+    "streaming_diloco": ["--algorithm=diloco", "--sync-every=4", "--fragments=2", "--async-quorum=0"],
+}
+SEMI_SYNC = ("local_sgd", "diloco", "streaming_diloco")
+POINTS = ("batch_start", "quorum", "allreduce")
+# How long one kill may take to carry out, and the job to end after the last one, on a loaded 2-core machine.
+KILL_DEADLINE_S = 150.0
+# A kill this close to the end lets the survivors run to it: its victim may come back after the end.
+LAST_STEPS = 4
+T = TypeVar("T")
+END_DEADLINE_S = 240.0
+
+
+@dataclass(frozen=True)
+class Kill:
+    group: int
+    rank: int
+    step: int  # the victim stops after the batch that takes its global_step to this, then dies at ``point``
+    point: str
+
+
+@dataclass(frozen=True)
+class FaultSchedule:
+    seed: int
+    groups: int
+    nproc: int
+    path: str
+    max_steps: int
+    kills: tuple[Kill, ...]
+
+    @property
+    def worker_args(self) -> list[str]:
+        return [f"--max-steps={self.max_steps}", *PATHS[self.path]]
+
+    @property
+    def max_restarts(self) -> int:
+        # Each kill costs one restart; a restart that finds its peers gone mid-join stops once more (its floor check)
+        # before it reads the run's end.
+        return 2 * len(self.kills) + 2
+
+    def describe(self) -> str:
+        kills = ", ".join(f"group {k.group} rank {k.rank} at step {k.step} ({k.point})" for k in self.kills)
+        return (
+            f"seed {self.seed}: {self.groups} groups x {self.nproc} process(es), {self.path}, "
+            f"max_steps={self.max_steps}; kills: {kills}"
+        )
+
+    def replay_command(self) -> str:
+        return (
+            f"FAULT_SCHEDULE_SEEDS={self.seed} .venv/bin/python -m pytest -m '' "
+            f"'tests/start/test_fault_schedules.py::test_a_random_fault_schedule_keeps_one_job_one_model'"
+        )
+
+
+def generate(seed: int) -> FaultSchedule:
+    """The schedule of ``seed``: the same on every machine and Python version (only ``random.Random`` draws)."""
+    rng = random.Random(seed)
+    groups = rng.choice((2, 2, 3))
+    path = rng.choice(sorted(PATHS))
+    nproc = 2 if path in ("ddp", "hsdp") and rng.random() < 0.2 else 1
+    max_steps = rng.choice((24, 32, 40))
+    count = rng.randint(1, 4)
+    steps = sorted(rng.sample(range(3, max_steps), count))
+    if rng.random() < 0.4:  # the job's last steps
+        steps[-1] = max(steps[-1], max_steps - 1 - rng.randrange(3))
+    kills: list[Kill] = []
+    for step in steps:
+        previous = kills[-1] if kills else None
+        if previous is not None and rng.random() < 0.3:  # the same group again, right after it rejoins
+            group, step = previous.group, min(previous.step + 1, max_steps - 1)
+        else:
+            group = rng.randrange(groups)
+        kills.append(Kill(group, rng.randrange(nproc), max(step, previous.step if previous else 0), rng.choice(POINTS)))
+    return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills))
+
+
+def _up(job: LaunchedJob, group: int) -> bool:
+    """Whether ``group``'s current process has committed a step since it started, or has finished."""
+    pid = job.worker_pid(group, 0)
+    return bool(pid) and bool(job.events("step", pid=pid, committed=True) or job.events("finished", pid=pid))
+
+
+def came_back_after_the_end(job: LaunchedJob, group: int) -> bool:
+    """Whether ``group``'s latest process found the run ended and exited (it says so before its ``started``)."""
+    last_start = max((e["time"] for e in job.events("started", group=group)), default=0.0)
+    return any(e["time"] > last_start for e in job.events("job_already_finished", group=group))
+
+
+class _JobOver(Exception):
+    """The launcher exited while a kill was being carried out."""
+
+
+def _wait(job: LaunchedJob, what: str, condition: Callable[[], T | None]) -> T:
+    """``job.wait_for``, except that a launcher that exited means the job is over (:class:`_JobOver`)."""
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    while True:
+        value = condition()
+        if value:
+            return value
+        if job.process.poll() is not None:
+            raise _JobOver(what)
+        assert time.monotonic() < deadline, f"timed out after {KILL_DEADLINE_S}s waiting for {what}\n{job.tail()}"
+        time.sleep(0.05)
+
+
+def _global_steps(job: LaunchedJob, pid: int) -> list[int]:
+    """The committed steps (or syncs) of one process, as ``trainer.global_step``."""
+    return [e.get("global_step", e["step"]) for e in job.events("step", pid=pid, committed=True)]
+
+
+def carry_out(job: LaunchedJob, schedule: FaultSchedule, said: list[str]) -> None:
+    """SIGKILL each victim of ``schedule`` where it says; ``said`` collects what happened to each kill.
+
+    Each kill waits for another group to be up and for the victim's current processes to run, then for the victim to
+    commit its step; it then stops the victim at its point (a gate) and kills it there. A kill before the job's last
+    steps holds the survivors a few steps on, set at the kill (where they wait for the victim, in the same step), and
+    releases them one step at a time until the victim has healed (:meth:`LaunchedJob.release_until_healed`); a kill
+    in the last steps lets them run to the end, so that the victim may come back after it."""
+    for index, kill in enumerate(schedule.kills):
+        try:
+            said.append(_carry_out_one(job, schedule, kill))
+        except _JobOver:
+            said.extend(f"{later}: the job had ended" for later in schedule.kills[index:])
+            return
+
+
+def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str:
+    others = [g for g in range(schedule.groups) if g != kill.group]
+    _wait(job, f"another group than {kill.group} to be up", lambda: any(_up(job, g) for g in others))
+
+    def alive() -> list[int] | str | None:
+        """The victim's current processes once every one of them runs, or "ended" once it found the run ended."""
+        if came_back_after_the_end(job, kill.group):
+            return "ended"
+        pids = [job.worker_pid(kill.group, r) for r in range(schedule.nproc)]
+        return pids if all(pids) and not any(map(process_gone, pids)) else None
+
+    pids = _wait(job, f"group {kill.group}'s current processes to run", alive)
+    if pids == "ended":
+        return f"{kill}: the victim came back after the end"
+    assert isinstance(pids, list)
+    pid = pids[kill.rank]
+
+    def gone() -> bool:
+        return any(map(process_gone, pids))
+
+    # Survivors held from the kill's step on (so that none runs away, however fast the job), moved a few steps past
+    # it when the victim is at its point (past the next sync, semi-synchronously: a victim stopping at a sync's
+    # quorum or allreduce needs its peers to get there), and released one step at a time until it has healed.
+    ahead = kill.step + (6 if schedule.path in SEMI_SYNC else 2)
+    late = kill.step >= schedule.max_steps - LAST_STEPS or ahead >= schedule.max_steps
+    set_at = time.time()
+    holds = {} if late else {group: job.hold_from_step(group, kill.step) for group in others}
+    victim_hold = job.hold_from_step(kill.group, kill.step)
+    gate = job.root / f"pause.group{kill.group}.{kill.point}"
+    try:
+        _wait(
+            job,
+            f"group {kill.group} (pid {pid}) to stop at step {kill.step} or end",
+            lambda: gone() or [e for e in job.events("paused", pid=pid, phase="from_step") if e["time"] > set_at],
+        )
+        if gone():
+            return f"{kill}: the victim ended before its step"
+        gate.touch()
+        for group in holds:
+            holds[group] = job.hold_from_step(group, ahead)
+        victim_hold.unlink()
+        paused = _wait(job, f"group {kill.group} (pid {pid}) to stop at its {kill.point} or end",
+                       lambda: gone() or [e for e in job.events("paused", pid=pid, phase=kill.point)
+                                          if e["time"] > set_at])  # fmt: skip
+        if paused is True:
+            return f"{kill}: the victim ended before its {kill.point}"
+        assert isinstance(paused, list)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        gate.unlink(missing_ok=True)
+        victim_hold.unlink(missing_ok=True)
+        if not job.events("paused", pid=pid, phase=kill.point):  # no kill: nobody to wait for
+            for hold in holds.values():
+                hold.unlink(missing_ok=True)
+    outcome = f"{kill}: killed pid {pid} at {kill.point} of step {paused[0]['step']}"
+    if holds:
+        job.release_until_healed(holds, kill.group, since=killed_at, timeout=KILL_DEADLINE_S)
+        outcome += f"; groups {sorted(holds)} held until it healed"
+    return outcome
+
+
+def check_invariants(job: LaunchedJob, schedule: FaultSchedule) -> None:
+    """The job ended by itself with exit 0; one model at exactly ``max_steps`` in every group that reports; a group
+    without a final state came back after the end and said so."""
+    assert job.wait_exit(timeout=END_DEADLINE_S) == 0, job.tail(120)
+    log = job.log_path.read_text(errors="replace")
+    assert "stopping groups" not in log, "the launcher needed its backstop: a group did not end by itself"
+    assert "NoLivePeerError" not in log, "a restarted group waited for peers that were gone"
+    states = job.final_states()
+    assert states, "no group reported a final state"
+    for key, state in states.items():
+        assert state["global_step"] == schedule.max_steps, f"{key}: global_step {state['global_step']}"
+    if schedule.path in SEMI_SYNC:
+        (first_key, first), *others = sorted(states.items())
+        for key, state in others:
+            for name in ("outer_state", "model", "lr_schedulers", "lrs"):
+                assert_tree_equal(first[name], state[name], f"{first_key} vs {key} {name}")
+    elif len(states) > 1:
+        assert_bit_identical(states, replicas=len(states))
+    reported = {group for group, _ in states}
+    for group in range(schedule.groups):
+        if group not in reported:
+            assert job.events("job_already_finished", group=group), (
+                f"group {group} wrote no final state and did not say that it came back after the end"
+            )
+        else:  # every rank writes one, but a sharded (HSDP) group's rank 0 alone writes its gathered state
+            ranks = {rank for g, rank in states if g == group}
+            writers = {0} if schedule.path == "hsdp" else set(range(schedule.nproc))
+            assert ranks == writers, f"group {group}: final states of ranks {sorted(ranks)}"
+
+
+def seeds_from_environment(default: list[int]) -> list[int]:
+    """``FAULT_SCHEDULE_SEEDS=3,17`` replays those seeds instead of ``default``."""
+    value = os.environ.get("FAULT_SCHEDULE_SEEDS", "").strip()
+    return [int(seed) for seed in value.split(",")] if value else default
