@@ -111,20 +111,25 @@ def test_a_group_whose_process_crashes_after_it_finished_is_restarted_into_the_e
 
 @pytest.mark.parametrize("path", [pytest.param([], id="ddp"), pytest.param(LOCAL_SGD, id="local_sgd")])
 def test_a_straggler_whose_peers_finished_without_it_stops_instead_of_training_alone(launch, path):
-    """Group 1 stops (its Manager heartbeating) two steps before the end; group 0 finishes without it. Released, group
-    1 finds itself alone in its next quorum while its run has ended: it must exit 0 without a final state, not train
-    the last steps alone into a second model. At 6bcf74e it did: two final states, two models."""
+    """3 groups: group 1 stops (its Manager heartbeating) two steps before the end; groups 0 and 2, a majority, finish
+    without it. Released, group 1 finds itself alone in its next quorum while its run has ended: it must exit 0 without
+    a final state, not train the last steps alone into a second model. At 6bcf74e it did: three final states, two
+    models."""
     max_steps = 24
-    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", *path, *GATES])
-    start_together(job, groups=2, nproc=1)
+    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", *path, *GATES])
+    start_together(job, groups=3, nproc=1)
     held = job.hold_from_step(1, max_steps - 2)
     straggler = job.worker_pid(1, 0)
     job.wait_for("group 1 to stop two steps before the end", lambda: job.events("paused", pid=straggler))
-    job.wait_for("group 0 to finish", lambda: job.events("finished", group=0) and process_gone(job.worker_pid(0, 0)))
+    peers = [job.worker_pid(g, 0) for g in (0, 2)]
+    job.wait_for(
+        "groups 0 and 2 to finish",
+        lambda: all(job.events("finished", group=g) for g in (0, 2)) and all(map(process_gone, peers)),
+    )
     held.unlink()
     assert job.wait_exit(timeout=120) == 0, job.tail()
 
     assert "stops at committed step" in job.log_path.read_text(), job.tail()
     assert job.events("job_already_finished", pid=straggler)
     assert not job.events("finished", group=1), "the straggler finished on its own"
-    assert sorted(job.final_states()) == [(0, 0)]
+    assert sorted(job.final_states()) == [(0, 0), (2, 0)]

@@ -11,8 +11,9 @@ group killed again right after it rejoins included) and at a random point of its
 * ``allreduce``: inside the step's (or the sync's) cross-group allreduce, the peers left waiting in theirs.
 
 Kills are carried out one after another, never of every group at once: a group is killed only while another group
-is up (its current process has committed a step, or has finished). Survivors are never held for a victim, so a
-victim killed near the end may come back after its peers finished.
+is up (its current process has committed a step, or has finished). Survivors are never held for a victim: each batch
+takes ``BATCH_SLEEP_S`` more, so that a restart (a few seconds) often rejoins before the end, and a victim killed near
+the end comes back after it.
 
 The invariants (:func:`check_invariants`): the launcher exits 0 by itself, long before its ``--finish-grace`` (the
 job's end, not the backstop); every group that writes a final state holds one model at exactly ``max_steps``; a group
@@ -44,8 +45,9 @@ SEMI_SYNC = ("local_sgd", "diloco", "streaming_diloco")
 POINTS = ("batch_start", "quorum", "allreduce")
 # How long one kill may take to carry out, and the job to end after the last one, on a loaded 2-core machine.
 KILL_DEADLINE_S = 150.0
-# A kill this close to the end lets the survivors run to it: its victim may come back after the end.
-LAST_STEPS = 4
+# Added to every batch, so that a job of 24 to 40 steps lasts about as long as a restart (an inner step of this model
+# takes a millisecond): a pace, not a deadline.
+BATCH_SLEEP_S = 0.1
 T = TypeVar("T")
 END_DEADLINE_S = 240.0
 
@@ -69,7 +71,7 @@ class FaultSchedule:
 
     @property
     def worker_args(self) -> list[str]:
-        return [f"--max-steps={self.max_steps}", *PATHS[self.path]]
+        return [f"--max-steps={self.max_steps}", f"--batch-sleep={BATCH_SLEEP_S}", *PATHS[self.path]]
 
     @property
     def max_restarts(self) -> int:
@@ -142,19 +144,13 @@ def _wait(job: LaunchedJob, what: str, condition: Callable[[], T | None]) -> T:
         time.sleep(0.05)
 
 
-def _global_steps(job: LaunchedJob, pid: int) -> list[int]:
-    """The committed steps (or syncs) of one process, as ``trainer.global_step``."""
-    return [e.get("global_step", e["step"]) for e in job.events("step", pid=pid, committed=True)]
-
-
 def carry_out(job: LaunchedJob, schedule: FaultSchedule, said: list[str]) -> None:
     """SIGKILL each victim of ``schedule`` where it says; ``said`` collects what happened to each kill.
 
-    Each kill waits for another group to be up and for the victim's current processes to run, then for the victim to
-    commit its step; it then stops the victim at its point (a gate) and kills it there. A kill before the job's last
-    steps holds the survivors a few steps on, set at the kill (where they wait for the victim, in the same step), and
-    releases them one step at a time until the victim has healed (:meth:`LaunchedJob.release_until_healed`); a kill
-    in the last steps lets them run to the end, so that the victim may come back after it."""
+    Each kill waits for another group to be up and for the victim's current processes to run, then stops the victim as
+    it     reach its step (a hold, so that it dies there however fast the job runs), then lets it go on to its point (a
+    gate) and kills it there. The survivors are never held: whether a restart heals or comes back after the end is
+    the machine's timing, and the invariants hold either way."""
     for index, kill in enumerate(schedule.kills):
         try:
             said.append(_carry_out_one(job, schedule, kill))
@@ -183,13 +179,7 @@ def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str
     def gone() -> bool:
         return any(map(process_gone, pids))
 
-    # Survivors held from the kill's step on (so that none runs away, however fast the job), moved a few steps past
-    # it when the victim is at its point (past the next sync, semi-synchronously: a victim stopping at a sync's
-    # quorum or allreduce needs its peers to get there), and released one step at a time until it has healed.
-    ahead = kill.step + (6 if schedule.path in SEMI_SYNC else 2)
-    late = kill.step >= schedule.max_steps - LAST_STEPS or ahead >= schedule.max_steps
     set_at = time.time()
-    holds = {} if late else {group: job.hold_from_step(group, kill.step) for group in others}
     victim_hold = job.hold_from_step(kill.group, kill.step)
     gate = job.root / f"pause.group{kill.group}.{kill.point}"
     try:
@@ -201,8 +191,6 @@ def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str
         if gone():
             return f"{kill}: the victim ended before its step"
         gate.touch()
-        for group in holds:
-            holds[group] = job.hold_from_step(group, ahead)
         victim_hold.unlink()
         paused = _wait(job, f"group {kill.group} (pid {pid}) to stop at its {kill.point} or end",
                        lambda: gone() or [e for e in job.events("paused", pid=pid, phase=kill.point)
@@ -210,19 +198,11 @@ def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str
         if paused is True:
             return f"{kill}: the victim ended before its {kill.point}"
         assert isinstance(paused, list)
-        killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
     finally:
         gate.unlink(missing_ok=True)
         victim_hold.unlink(missing_ok=True)
-        if not job.events("paused", pid=pid, phase=kill.point):  # no kill: nobody to wait for
-            for hold in holds.values():
-                hold.unlink(missing_ok=True)
-    outcome = f"{kill}: killed pid {pid} at {kill.point} of step {paused[0]['step']}"
-    if holds:
-        job.release_until_healed(holds, kill.group, since=killed_at, timeout=KILL_DEADLINE_S)
-        outcome += f"; groups {sorted(holds)} held until it healed"
-    return outcome
+    return f"{kill}: killed pid {pid} at {kill.point} of step {paused[0]['step']}"
 
 
 def check_invariants(job: LaunchedJob, schedule: FaultSchedule) -> None:

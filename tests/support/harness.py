@@ -129,7 +129,6 @@ class LaunchedJob:
         commit one more step: a request that reached the lighthouse after that group's makes the next step's quorum
         include it."""
         waiting = {victims} if isinstance(victims, int) else set(victims)
-        released_at = dict.fromkeys(holds, since)
 
         def healed() -> bool:
             waiting.difference_update(
@@ -141,9 +140,10 @@ class LaunchedJob:
             # Only for a live request: a restart that asked and died meanwhile must not let the survivors go on.
             if all(pid and self.events("joining", pid=pid) and not process_gone(pid) for pid in pids):
                 for group, hold in holds.items():
-                    paused = self.events("paused", group=group, phase="from_step")
-                    if paused and paused[-1]["time"] > released_at[group]:
-                        released_at[group] = time.time()
+                    # Stopped at this hold: its current process's latest stop is at or past the hold's step (a
+                    # hold only moves forward, so an earlier stop is below it). Then one step more.
+                    paused = self.events("paused", pid=self.worker_pid(group, 0), phase="from_step")
+                    if paused and paused[-1]["step"] >= int(hold.read_text().split()[0]):
                         partial = hold.with_suffix(".partial")
                         partial.write_text(str(paused[-1]["step"] + 1))
                         partial.replace(hold)

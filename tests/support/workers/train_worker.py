@@ -601,6 +601,7 @@ def main() -> None:
         metavar="G:A",
         help="group G's restart attempt A SIGKILLs itself at its first batch, after asking to join, before healing",
     )
+    parser.add_argument("--batch-sleep", type=float, default=0.0, help="sleep this long at each batch's start")
     parser.add_argument(
         "--crash-after-fit",
         type=int,
@@ -629,6 +630,8 @@ def main() -> None:
         callbacks.append(ReplicaConsistencyCheck(every_n_steps=args.consistency_every))
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
+    if args.batch_sleep:
+        callbacks.append(pl.callbacks.LambdaCallback(on_train_batch_start=lambda *_: time.sleep(args.batch_sleep)))
     if args.die_after_joining is not None:
         dying_group, dying_attempt = (int(part) for part in args.die_after_joining.split(":"))
         if group == dying_group:
