@@ -75,6 +75,33 @@ def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> di
     return reports
 
 
+def _reached_path(directory: str | os.PathLike[str], run_id: str) -> Path:
+    return Path(directory) / f"run_reached.{run_id.replace(os.sep, '_')}.json"
+
+
+def record_reached(directory: str | os.PathLike[str], run_id: str, step: int) -> None:
+    """Remember that run ``run_id`` had committed step ``step`` (kept at its highest): what the lighthouse's last quorum
+    said when a restarted group looked. The lighthouse forgets it as soon as restarted groups form a quorum of their
+    own, at step 0; a later restart must still know that the job was past it."""
+    if step <= reached(directory, run_id):
+        return
+    path = _reached_path(directory, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"run_id": run_id, "step": int(step)}))
+    os.replace(partial, path)
+
+
+def reached(directory: str | os.PathLike[str] | None, run_id: str) -> int:
+    """The highest committed step remembered for run ``run_id`` (:func:`record_reached`), 0 if none."""
+    if directory is None:
+        return 0
+    try:
+        return int(json.loads(_reached_path(directory, run_id).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def configured_directory() -> Path | None:
     """``LIGHTNING_FT_RUN_END_DIR`` when it is set and not empty, else None."""
     value = os.environ.get(ENV_RUN_END_DIR, "").strip()

@@ -94,6 +94,8 @@ class StartContext:
     record: JobRecord
     # The first report of this run's end by one of its groups, or None (lightning_ft_job.run_end); polled while waiting.
     run_ended: Callable[[], GroupFinished | None] = lambda: None
+    # The highest committed step this run is remembered to have reached (lightning_ft_job.run_end.reached), 0 if none.
+    run_reached: Callable[[], int] = lambda: 0
 
 
 def finished_job(record: JobRecord, max_steps: int, max_epochs: int | None) -> FinishedJob | None:
@@ -153,8 +155,10 @@ def decide_start(
         peers_expected = context.num_groups > 1 and context.lighthouse is not None
         if not context.record.exists and job_seen_before and peers_expected and status is not None:
             if live_peers:
-                # The job's last quorum reached this step; a first quorum below it means the peers died meanwhile.
-                reached = max(status.previous_quorum.values(), default=0)
+                # The job's last quorum reached this step; a first quorum below it means the peers died meanwhile. The
+                # run remembers it too: restarted groups that formed a quorum of their own at step 0 (every group was
+                # down) made the lighthouse forget it.
+                reached = max(max(status.previous_quorum.values(), default=0), context.run_reached())
                 return StartDecision(
                     floor_step=reached or None, floor_source="the job's last quorum", missing_groups=missing
                 )

@@ -108,8 +108,12 @@ class GroupLifecycle:
                     attempt=torchrun_restart_count(),
                     record=self.record,
                     run_ended=self.run_ended,
+                    run_reached=lambda: run_end.reached(self._run_end_directory(), self._run_id),
                 )
             )
+            directory = self._run_end_directory()
+            if decision.floor_step and not self.record.exists and directory is not None:
+                run_end.record_reached(directory, self._run_id, decision.floor_step)
         decision = self._broadcast(decision)
         assert isinstance(decision, StartDecision)
         if decision.run_ended is not None:

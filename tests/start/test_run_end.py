@@ -133,3 +133,31 @@ def test_a_straggler_whose_peers_finished_without_it_stops_instead_of_training_a
     assert job.events("job_already_finished", pid=straggler)
     assert not job.events("finished", group=1), "the straggler finished on its own"
     assert sorted(job.final_states()) == [(0, 0), (2, 0)]
+
+
+def test_every_group_down_at_once_without_checkpoints_never_starts_the_job_over(launch):
+    """Group 0 is killed; while its restart asks to join (its floor: the job's last quorum), group 1, held between two
+    batches, is killed too: every group is down and the job keeps no checkpoint. The restarts meet in a quorum of
+    their own at step 0, which the lighthouse then takes for the job's last one; each later restart must still know
+    that the job was past it (the run remembers it) and stop, never train the job over from its initial weights. At
+    6bcf74e the second restarts did: the job "finished" at max_steps from step 0, its committed steps lost."""
+    max_steps = 60
+    job = launch(groups=2, max_restarts=2, worker_args=[f"--max-steps={max_steps}", "--start-timeout=5", *GATES])
+    start_together(job, groups=2, nproc=1)
+    job.wait_for(
+        "both groups to commit 5 steps together",
+        lambda: sum(e["participants"] == 2 for e in job.events("step", group=1, committed=True)) >= 5,
+    )
+    group1 = job.worker_pid(1, 0)
+    held = job.hold_from_step(1, max(job.committed_steps(1)) + 2)
+    job.wait_for("group 1 to stop between batches", lambda: job.events("paused", pid=group1, phase="from_step"))
+    group0 = job.worker_pid(0, 0)
+    os.kill(group0, signal.SIGKILL)
+    restarted = job.wait_for("group 0's restart", lambda: job.worker_pid(0, 0, 1))
+    job.wait_for("group 0's restart to ask to join", lambda: job.events("joining", pid=restarted))
+    os.kill(group1, signal.SIGKILL)
+    held.unlink()
+    assert job.wait_exit(timeout=300) == 1, job.tail()
+    assert not job.events("finished"), "the job was trained over from step 0"
+    assert not job.final_states()
+    assert job.events("behind_checkpoint")

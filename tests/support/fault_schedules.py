@@ -47,7 +47,7 @@ POINTS = ("batch_start", "quorum", "allreduce")
 KILL_DEADLINE_S = 150.0
 # Added to every batch, so that a job of 24 to 40 steps lasts about as long as a restart (an inner step of this model
 # takes a millisecond): a pace, not a deadline.
-BATCH_SLEEP_S = 0.1
+BATCH_SLEEP_S = 0.25
 T = TypeVar("T")
 END_DEADLINE_S = 240.0
 
@@ -115,10 +115,13 @@ def generate(seed: int) -> FaultSchedule:
     return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills))
 
 
-def _up(job: LaunchedJob, group: int) -> bool:
-    """Whether ``group``'s current process has committed a step since it started, or has finished."""
-    pid = job.worker_pid(group, 0)
-    return bool(pid) and bool(job.events("step", pid=pid, committed=True) or job.events("finished", pid=pid))
+def _up(job: LaunchedJob, group: int, nproc: int) -> bool:
+    """Whether every process of ``group`` runs and has committed a step since it started (or has finished). A group
+    whose latest processes are gone is restarting: its rank 0's old ``started`` record is still the latest one."""
+    pids = [job.worker_pid(group, rank) for rank in range(nproc)]
+    if not all(pids) or any(map(process_gone, pids)):
+        return bool(pids[0]) and bool(job.events("finished", pid=pids[0]))
+    return all(job.events("step", pid=pid, committed=True) or job.events("finished", pid=pid) for pid in pids)
 
 
 def came_back_after_the_end(job: LaunchedJob, group: int) -> bool:
@@ -161,7 +164,7 @@ def carry_out(job: LaunchedJob, schedule: FaultSchedule, said: list[str]) -> Non
 
 def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str:
     others = [g for g in range(schedule.groups) if g != kill.group]
-    _wait(job, f"another group than {kill.group} to be up", lambda: any(_up(job, g) for g in others))
+    _wait(job, f"another group than {kill.group} to be up", lambda: any(_up(job, g, schedule.nproc) for g in others))
 
     def alive() -> list[int] | str | None:
         """The victim's current processes once every one of them runs, or "ended" once it found the run ended."""
