@@ -202,6 +202,8 @@ def _carry_out_one(job: LaunchedJob, schedule: FaultSchedule, kill: Kill) -> str
             return f"{kill}: the victim ended before its {kill.point}"
         assert isinstance(paused, list)
         os.kill(pid, signal.SIGKILL)
+        # Dead before the next kill looks at who is up: a SIGKILL is delivered, not done, when os.kill returns.
+        _wait(job, f"pid {pid} to die", lambda: process_gone(pid))
     finally:
         gate.unlink(missing_ok=True)
         victim_hold.unlink(missing_ok=True)
