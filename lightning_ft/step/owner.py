@@ -36,8 +36,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
+from lightning_ft.step.gated_optimizer import CommitGatedOptimizer
 from lightning_ft.step.gradient_hooks import FTCommState
-from lightning_ft.step.protocol import CommitGatedOptimizer, StepProtocol
+from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ft.step.protocol import CommitGatedOptimizer, NonFiniteGradientError
+from lightning_ft.step.gated_optimizer import CommitGatedOptimizer
+from lightning_ft.step.protocol import NonFiniteGradientError
 
 pytestmark = pytest.mark.timeout(60)
 

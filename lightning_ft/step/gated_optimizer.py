@@ -1,0 +1,91 @@
+"""The optimizer Lightning's precision plugin steps under FTStrategy: it runs the closure, then steps the real optimizer
+only when the step commits (:class:`CommitGatedOptimizer`), with the check of the averaged gradient the vote reads.
+
+It lives beside :mod:`lightning_ft.step.protocol`, whose vote it defers to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_ft.manager.vote_inputs import host_copy
+from lightning_ft.step.protocol import StepProtocol
+
+
+def finite_gradient_check(optimizer: Optimizer) -> Callable[[], bool]:
+    """Queue the check of every gradient the optimizer would apply now; the returned function reads its answer.
+
+    Read after the vote's device sync (:mod:`lightning_ft.manager.vote_inputs`), the answer costs no wait of its own.
+
+    Why sums: an inf or NaN anywhere makes its tensor's sum inf or NaN, and a sum only reads the gradient, where
+    ``isfinite(grad).all()`` writes a mask as large as the gradient and reads it again (on CPU that was the largest
+    per-step cost of fault tolerance, see docs/benchmarks.md). A finite gradient whose sum overflows is the only
+    false alarm; it is then checked element by element, so the answer is exact.
+
+    Sharded (DTensor) gradients are checked shard by shard: each rank votes on its own shard, and the group's commit
+    vote needs every rank's yes.
+    """
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    if not grads:
+        return lambda: True
+    sums_finite = host_copy(torch.isfinite(torch.stack([grad.sum(dtype=torch.float32) for grad in grads])).all())
+
+    def read() -> bool:
+        return bool(sums_finite.item()) or all(bool(torch.isfinite(grad).all()) for grad in grads)
+
+    return read
+
+
+class CommitGatedOptimizer:
+    """An optimizer view whose ``step`` runs the closure and then steps only if the step commits.
+
+    Everything else (``param_groups``, ``state``, ...) is the wrapped optimizer's, so precision plugins, gradient
+    clipping and ``on_before_optimizer_step`` see the real thing. Optimizers that re-evaluate the closure (LBFGS)
+    are not supported: the closure runs exactly once, because the gradients it produces are what the replicas agreed
+    to average.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        protocol: StepProtocol,
+        skip_non_finite: bool = True,
+        gradient_check: Callable[[], Callable[[], bool] | None] | None = None,
+    ) -> None:
+        self._optimizer = optimizer
+        self._protocol = protocol
+        self._skip_non_finite = skip_non_finite
+        # The check of the averaged gradient that the comm hook queued while averaging it
+        # (lightning_ft.step.gradient_hooks); None when it could not tell, and the optimizer's gradients are then
+        # checked here.
+        self._gradient_check = gradient_check
+
+    def _finite_check(self) -> Callable[[], bool]:
+        check = self._gradient_check() if self._gradient_check is not None else None
+        return check if check is not None else finite_gradient_check(self._optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = closure() if closure is not None else None
+        if not self._protocol.decided:  # both are read after the vote's device sync, before the vote is cast
+            self._protocol.read_at_vote(
+                finite=self._finite_check() if self._skip_non_finite else None,
+                loss=loss if isinstance(loss, Tensor) and loss.numel() == 1 else None,
+            )
+        if self._protocol.commit():
+            self._optimizer.step(**kwargs)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
