@@ -4,8 +4,9 @@
   step (quorum, counters), steps the optimizer through the vote, ends the step before any batch-end hook, and gates
   the step-interval LR schedulers.
 * :mod:`.protocol`: :class:`~.protocol.StepProtocol`, the step's exchange with the Manager (open the quorum, require
-  it before a collective, commit or reject, close), and :class:`~.gated_optimizer.CommitGatedOptimizer`, the optimizer the
-  precision plugin steps, which steps only when the group's vote commits.
+  it before a collective, commit or reject, close).
+* :mod:`.gated_optimizer`: :class:`~.gated_optimizer.CommitGatedOptimizer`, the optimizer the precision plugin steps,
+  which steps only when the group's vote commits.
 * :mod:`.gradient_hooks`: the DDP comm hook and the FSDP2 all-reduce hook that average gradients across groups.
 * :mod:`.collectives`: job-wide reductions (metrics, ``reduce_boolean_decision``) in sync sections.
 
