@@ -138,6 +138,10 @@ def test_a_group_restarted_after_the_end_exits_without_touching_the_checkpoints(
 
 
 def test_a_restarted_group_with_no_peer_and_no_checkpoints_stops_with_an_error(launch, tmp_path):
+    """Group 1 is killed and its restart held at its start; then group 0 is killed too, its restart held likewise: the
+    job has not finished, and no group is left to heal from. Released, group 1's restart finds no live peer within
+    ``start_timeout`` and no checkpoint: ``NoLivePeerError``, never a job started over from step 0. (A group that
+    comes back after its peers *finished* exits 0 instead: ``test_run_end.py``.)"""
     max_steps = 30
     job = launch(
         groups=2,
@@ -149,21 +153,30 @@ def test_a_restarted_group_with_no_peer_and_no_checkpoints_stops_with_an_error(l
     start_together(job, groups=2, nproc=1)
     held = job.hold_from_step(1, 10)
     job.wait_for("group 1 to stop at step 10", lambda: job.events("paused", group=1, phase="from_step"))
+    group0_held = job.hold_from_step(0, 14)  # before the kill: group 0 must not finish the job meanwhile
     (root / "hold_start.group1").touch()
     killed_at = time.time()
     os.kill(job.worker_pid(1, 0), signal.SIGKILL)
     held.unlink()
     job.wait_for("torchrun to restart group 1 (held at its start)", lambda: held_at_start(root, 1, 1))
     group0 = job.worker_pid(0, 0)
-    job.wait_for("group 0 to finish", lambda: job.events("finished", group=0) and process_gone(group0))
+    job.wait_held_alone(0, since=killed_at)
+    (root / "hold_start.group0").touch()
+    group0_killed_at = time.time()
+    os.kill(group0, signal.SIGKILL)
+    group0_held.unlink()
+    job.wait_for("torchrun to restart group 0 (held at its start)", lambda: held_at_start(root, 0, 1))
     (root / "hold_start.group1").unlink()
-    assert job.wait_exit() == 1, job.tail()  # group 1 failed; nothing restarts it (--max-restarts=1)
+    job.wait_for("group 1's restart to stop for want of a peer", lambda: job.events("no_live_peer", group=1))
+    (root / "hold_start.group0").unlink()
+    assert job.wait_exit() == 1, job.tail()  # both failed; nothing restarts them (--max-restarts=1)
 
     errors = job.events("no_live_peer", group=1)
     assert len(errors) == 1 and "found no live replica group within start_timeout=2s" in errors[0]["error"]
     assert "NoLivePeerError" in job.log_path.read_text()
     assert not [e for e in job.events("step", group=1) if e["time"] > killed_at], "group 1 trained alone"
-    assert len(job.final_states()) == 1  # group 0's only
+    assert not [e for e in job.events("step", group=0) if e["time"] > group0_killed_at], "group 0 trained alone"
+    assert not job.final_states() and not job.events("finished")
 
 
 def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(launch, tmp_path):
