@@ -4,13 +4,12 @@ One rule, whichever group is where: the job has **finished** as soon as one grou
 the run's end, :mod:`lightning_ft_job.run_end`, or its torchrun job exited 0). From then on
 
 * a group whose process exits after it reported its end has finished, whatever its exit code (logged once);
-* a group that exits with an error after the job finished came back after the end: it cannot change the job's
-  model, so it is logged once and not counted as a failure;
 * groups still running ``finish_grace`` seconds after the job finished are stopped, on purpose (a group restarted
   after the end exits by itself when it can read the run's end; this is the backstop when it cannot).
 
-Before the job finished, a group whose torchrun job exits with an error has used up its restarts: it failed, and the
-launcher exits 1 once everything has stopped. Nothing here depends on the order in which processes exit: every poll
+A group that exits with an error without having reported its end has used up its restarts: it failed, before or after
+the end (a group restarted after the end exits 0, so an error is its own), and the launcher exits 1 once everything
+has stopped. Nothing here depends on the order in which processes exit: every poll
 reads every group's exit code and every report.
 """
 
@@ -46,16 +45,21 @@ class JobState:
         self.exit_codes = dict(exit_codes)
         self.reported |= set(reported)
         lines: list[str] = []
+        # A failure is never hidden, before or after the end: a group restarted after the end reads the run's end and
+        # exits 0, so one that exits with an error failed on its own (a model other groups refused, say).
+        for group in self.group_ids:
+            code = self.exit_codes.get(group)
+            if code in (None, 0) or group in self._explained or group in self.failed:
+                continue
+            if group in self.reported:
+                self._explained.add(group)
+                lines.append(
+                    f"replica group {group} exited with code {code} after it had finished; it counts as finished"
+                )
+            else:
+                self.failed.add(group)
+                lines.append(f"replica group {group} failed (exit code {code}) and will not be restarted")
         if self.finished_at is None:
-            # A failure seen in the same poll as the job's end counts as before it: never hide a failure.
-            for group in self.group_ids:
-                code = self.exit_codes.get(group)
-                if code not in (None, 0) and group not in self.reported and group not in self.failed:
-                    self.failed.add(group)
-                    lines.append(
-                        f"replica group {group} failed (exit code {code}) and will not be restarted; the other "
-                        f"groups go on"
-                    )
             first = sorted(self.reported) or [g for g in self.group_ids if self.exit_codes.get(g) == 0]
             if first:
                 self.finished_at = self.clock()
@@ -66,20 +70,6 @@ class JobState:
                         f"the job finished (replica group {self.finished_by} reached its end); replica groups "
                         f"{still} are still running and are stopped if they have not ended in {self.finish_grace:g}s"
                     )
-        for group in self.group_ids:
-            code = self.exit_codes.get(group)
-            if code in (None, 0) or group in self._explained or group in self.failed:
-                continue
-            self._explained.add(group)
-            if group in self.reported:
-                lines.append(
-                    f"replica group {group} exited with code {code} after it had finished; it counts as finished"
-                )
-            else:
-                lines.append(
-                    f"replica group {group} exited with code {code} after the job had finished; the job's model is "
-                    f"the finished groups', so this is not counted as a failure"
-                )
         return lines
 
     @property

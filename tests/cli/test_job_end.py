@@ -6,13 +6,15 @@ and reports the run's end as a training group's rank 0 does (:mod:`lightning_ft_
 * ``finish``: reports its end, exits 0;
 * ``crash_after_finish``: reports its end, then exits 7 (a teardown that crashed after the final state);
 * ``straggle``: never ends by itself (a group restarted after its peers finished, waiting for them);
-* ``fail_after_end``: waits for another group's report, then exits 5 (came back after the end and failed);
+* ``fail_after_end``: waits for the launcher to say the job finished, then exits 5 (a failure of its own after the
+  end, never hidden);
 * ``fail``: exits 3 at once, before anyone finished (a group that used up its restarts).
 
 The rule under test (``lightning_ft_cli/job_state.py``): the job finished once any group reported its end or exited 0,
-whatever the order; the launcher exits 0 within ``--finish-grace`` of that, stopping stragglers; only a failure before
-the end fails it. On the launcher at 6bcf74e the orders with a straggler before the finisher hang (its wait loop
-stopped reading exit codes at the first running group), and a crash after the end exits 1.
+whatever the order; the launcher exits 0 within ``--finish-grace`` of that, stopping stragglers; a group that fails
+(exits with an error without having finished) fails the launch, before the end or after it. On the launcher at
+6bcf74e the orders with a straggler before the finisher hang (its wait loop stopped reading exit codes at the first
+running group), and a crash after the end exits 1.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ sys.exit(7 if role == "crash_after_finish" else 0)
 """
 
 
+FAIL_AFTER_END = ("finish", "straggle", "fail_after_end")
+
+
 def orders() -> list[tuple[str, ...]]:
     """Every arrangement of each cast over the groups: every group in every part."""
     casts = [
@@ -68,7 +73,6 @@ def orders() -> list[tuple[str, ...]]:
         ("crash_after_finish", "straggle"),
         ("finish", "straggle", "straggle"),
         ("crash_after_finish", "straggle", "straggle"),
-        ("finish", "crash_after_finish", "fail_after_end"),
     ]
     return sorted({order for cast in casts for order in itertools.permutations(cast)})
 
@@ -112,7 +116,7 @@ def play(roles: tuple[str, ...], tmp_path: Path) -> tuple[int, str, float]:
 def test_the_launcher_ends_once_the_job_finished_whatever_the_order(roles, tmp_path):
     code, output, after_end = play(roles, tmp_path)
     assert code == 0, output[-4000:]
-    stragglers = [group for group, role in enumerate(roles) if role in ("straggle", "fail_after_end")]
+    stragglers = [group for group, role in enumerate(roles) if role == "straggle"]
     assert output.count("the job finished (replica group") == 1, output[-4000:]
     if "straggle" in roles:
         late = [group for group, role in enumerate(roles) if role == "straggle"]
@@ -125,16 +129,21 @@ def test_the_launcher_ends_once_the_job_finished_whatever_the_order(roles, tmp_p
         if role == "crash_after_finish":
             said = rf"replica group {group} exited with code \d+ after it had finished; it counts as finished"
             assert len(re.findall(said, output)) == 1, output[-4000:]
-        if role == "fail_after_end":
-            said = rf"replica group {group} exited with code \d+ after the job had finished"
-            assert len(re.findall(said, output)) == 1, output[-4000:]
     assert stragglers, "every cast has a group that is still running when the job finishes"
     assert "failed (exit code" not in output, output[-4000:]
 
 
-@pytest.mark.parametrize("roles", [("finish", "fail"), ("fail", "finish")], ids=["1-fails", "0-fails"])
-def test_a_group_that_failed_before_the_end_fails_the_job_although_another_finished(roles, tmp_path):
+@pytest.mark.parametrize(
+    "roles",
+    [
+        ("finish", "fail"),
+        ("fail", "finish"),
+        *sorted(set(itertools.permutations(("finish", "straggle", "fail_after_end")))),
+    ],
+    ids="-".join,
+)
+def test_a_group_that_failed_before_or_after_the_end_fails_the_job_although_another_finished(roles, tmp_path):
     code, output, _ = play(roles, tmp_path)
-    failed = roles.index("fail")
+    failed = roles.index("fail") if "fail" in roles else roles.index("fail_after_end")
     assert code == 1, output[-4000:]
     assert f"replica group {failed} failed (exit code" in output, output[-4000:]
