@@ -126,9 +126,6 @@ class GroupLifecycle:
             events.emit("no_live_peer", error=decision.error)
             raise NoLivePeerError(decision.error)
         group = self._settings.replica_group_id
-        groups = self._settings.num_replica_groups
-        if groups > 1:
-            protocol.on_partial_quorum(self._stop_if_the_run_ended_without_this_group, groups)
 
         def make(resume_start: Callable[..., None]) -> Callable[..., None]:
             def resume_where_the_job_is(checkpoint_path: lightning.PathLike | None = None, **kwargs: Any) -> None:
@@ -150,21 +147,6 @@ class GroupLifecycle:
             return resume_where_the_job_is
 
         patches.wrap(lightning.checkpoint_connector(trainer), "resume_start", make)
-
-    def _stop_if_the_run_ended_without_this_group(self, committed_step: int) -> None:
-        """A group whose quorum lacks some groups, while a group of its run has reported the run's end, fell behind:
-        a straggler whose peers finished without it, or a restart that joined just before they did. Committing steps
-        alone from here would end the job as a second model, so it exits 0 without a final state."""
-        ended = self.run_ended()
-        if ended is None:
-            return
-        self._exit_finished(
-            ended.step,
-            f"lightning-ft: replica group {self._settings.replica_group_id} stops at committed step {committed_step}: "
-            f"its run finished at committed step {ended.step} (replica group {ended.group}: {ended.reason}) without "
-            f"it, so its state is not the job's and it exits without a final state.",
-            "",
-        )
 
     def refuses_save(self, filepath: lightning.PathLike, step: int, is_writer: bool) -> bool:
         """Whether a save of a state at committed ``step`` must not be written, because the file's directory holds

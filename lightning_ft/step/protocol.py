@@ -20,7 +20,6 @@ steps the real optimizer when the vote says the step is committed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 from torch import Tensor
@@ -34,9 +33,6 @@ from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
-
-# How often a step whose quorum lacks some groups asks whether the run has ended without this group (a file read).
-PARTIAL_QUORUM_CHECK_INTERVAL_S = 1.0
 
 
 class JobBehindCheckpointError(LightningFTError, RuntimeError):
@@ -85,10 +81,6 @@ class StepProtocol:
         self._finite_at_vote: Callable[[], bool] | None = None
         self._loss_at_vote: Tensor | None = None
         self.step_loss: float | None = None
-        # Told before the vote of a step whose quorum lacks some of the job's groups (on_partial_quorum).
-        self._partial_quorum_check: Callable[[int], None] | None = None
-        self._job_groups = 0
-        self._next_partial_check = 0.0
 
     @property
     def quorum_open(self) -> bool:
@@ -141,23 +133,6 @@ class StepProtocol:
         self._floor_step = step
         if source:
             self._floor_source = source
-
-    def on_partial_quorum(self, check: Callable[[int], None], num_groups: int) -> None:
-        """Call ``check(committed_step)`` before the vote of a step whose quorum holds fewer than ``num_groups``
-        groups, at most once a second (it may read a file), so that it can stop this group before it commits: a group
-        that fell behind a run that has since ended must not commit steps alone (:mod:`lightning_ft.start.lifecycle`).
-        """
-        self._partial_quorum_check = check
-        self._job_groups = num_groups
-
-    def _check_partial_quorum(self) -> None:
-        if self._partial_quorum_check is None or self.manager.num_participants() >= self._job_groups:
-            return
-        now = time.monotonic()
-        if now < self._next_partial_check:
-            return
-        self._next_partial_check = now + PARTIAL_QUORUM_CHECK_INTERVAL_S
-        self._partial_quorum_check(self.manager.current_step())
 
     def on_step_start(self, observer: Callable[[], None]) -> None:
         """Call ``observer()`` each time a step (or sync) is about to open its quorum, before anything of the step
@@ -244,7 +219,6 @@ class StepProtocol:
             self._stop_if_failed_after_commit()
             return self._decision
         self.require_quorum()
-        self._check_partial_quorum()
         buffers = self.buffers if self.buffers is not None and not self.buffers.at_batch_end else None
         if buffers is not None:
             buffers.average()
@@ -324,7 +298,6 @@ class StepProtocol:
     def record_commit(self, decision: bool) -> None:
         """Record a vote that torchft took itself (a DiLoCo fragment's ``perform_sync`` calls ``should_commit``)."""
         self.require_quorum()
-        self._check_partial_quorum()
         self._record(decision)
 
     def _record(self, decision: bool) -> None:
