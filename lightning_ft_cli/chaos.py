@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_ft_cli.processes import parent_pid
-from lightning_ft_job.events import read_events
+from lightning_ft_job.events import EventLogReader
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class ChaosMonkey:
     _killed_pids: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _log: EventLogReader | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lightning-ft-chaos", daemon=True)
@@ -73,10 +74,16 @@ class ChaosMonkey:
             self._thread.join(timeout=5)
 
     # ------------------------------------------------------------------ state from the event log
+    def _records(self) -> list[dict]:
+        """Every event so far, parsing only what was appended since the last read (polled several times a second)."""
+        if self._log is None:
+            self._log = EventLogReader(self.events_dir)
+        return self._log.records()
+
     def _workers(self) -> dict[int, dict[int, dict]]:
         """``group -> rank -> latest "started" record`` of each group's current workers."""
         latest: dict[int, dict[int, dict]] = {}
-        for record in read_events(self.events_dir):
+        for record in self._records():
             if record["event"] == "started" and record["group"] in self.agent_pids:
                 latest.setdefault(record["group"], {})[record["rank"]] = record
         return latest
@@ -89,7 +96,7 @@ class ChaosMonkey:
         would let the next kills take every group that is really training, and a restarted group would then find no
         live peer to heal from and start again from step 0.
         """
-        records = read_events(self.events_dir)
+        records = self._records()
         since = self.kills[-1][1] if self.kills else 0.0
         committed_pids = {
             r["pid"] for r in records if r["event"] == "step" and r.get("committed") and r["time"] > since
@@ -111,10 +118,10 @@ class ChaosMonkey:
 
     def _job_finished(self) -> bool:
         """Whether a group has finished training: the job is over, and nothing is left to rehearse."""
-        return any(r["event"] == "finished" for r in read_events(self.events_dir))
+        return any(r["event"] == "finished" for r in self._records())
 
     def _max_committed_step(self) -> int:
-        steps = [r["step"] for r in read_events(self.events_dir) if r["event"] == "step" and r.get("committed")]
+        steps = [r["step"] for r in self._records() if r["event"] == "step" and r.get("committed")]
         return max(steps, default=0)
 
     # ------------------------------------------------------------------ the schedule

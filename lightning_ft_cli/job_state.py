@@ -36,7 +36,7 @@ class JobState:
     finished_by: int | None = None  # the group that finished it first
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)  # groups whose rank 0 reported the run's end
-    failed: set[int] = field(default_factory=set)  # exited with an error before the job finished
+    failed: set[int] = field(default_factory=set)  # exited with an error without having finished
     _explained: set[int] = field(default_factory=set)
 
     def observe(self, exit_codes: Mapping[int, int | None], reported: Set[int]) -> list[str]:
@@ -75,10 +75,6 @@ class JobState:
     @property
     def running(self) -> list[int]:
         return [group for group in self.group_ids if self.exit_codes.get(group) is None]
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
 
     def grace_expired(self) -> bool:
         """Whether the job finished more than ``finish_grace`` seconds ago."""

@@ -322,10 +322,10 @@ def run(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     monkey: ChaosMonkey | None = None
     job = JobState(group_ids, args.finish_grace, time.monotonic)
-    stopped_late: set[int] = set()  # groups still running finish_grace after the job finished, stopped on purpose
     # Where the groups report the run's end (lightning_ft_job.run_end): a folder of this launch's unless set.
-    own_run_end_dir = None if run_end.configured_directory() else tempfile.mkdtemp(prefix="lightning-ft-run-end-")
-    run_end_dir = run_end.configured_directory() or own_run_end_dir
+    configured_run_end_dir = run_end.configured_directory()
+    own_run_end_dir = None if configured_run_end_dir else tempfile.mkdtemp(prefix="lightning-ft-run-end-")
+    run_end_dir = configured_run_end_dir or own_run_end_dir
     groups: list[ReplicaGroup] = []
     relays: list[threading.Thread] = []
     try:
@@ -357,12 +357,11 @@ def run(args: argparse.Namespace) -> int:
             if job.done():
                 break
             stop.wait(0.2)
-        stopped_late.update(job.running)
-        if stopped_late and not stop.is_set():
+        if job.running and not stop.is_set():  # the grace has expired: these are stopped on purpose
             _say(
                 f"lightning-ft launch: the job finished {args.finish_grace:g}s ago; stopping groups "
-                f"{sorted(stopped_late)}, which are still running (a group restarted after its peers finished "
-                f"would train alone)"
+                f"{job.running}, which are still running (a group restarted after its peers finished would train "
+                f"alone)"
             )
     finally:
         if monkey is not None:

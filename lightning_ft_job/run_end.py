@@ -40,18 +40,21 @@ class GroupFinished:
     reason: str
 
 
-def _name(run_id: str, group: int) -> str:
-    return f"{_PREFIX}{run_id.replace(os.sep, '_')}.group{group}.json"
+def _in_name(run_id: str) -> str:
+    return run_id.replace(os.sep, "_")
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    """Write ``data`` to a temporary name beside ``path`` and rename it: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, sort_keys=True))
+    os.replace(partial, path)
 
 
 def report_finished(directory: str | os.PathLike[str], report: GroupFinished) -> None:
     """Write ``report`` into ``directory`` (created if missing)."""
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / _name(report.run_id, report.group)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(report.__dict__, sort_keys=True))
-    os.replace(partial, path)
+    _write_json(Path(directory) / f"{_PREFIX}{_in_name(report.run_id)}.group{report.group}.json", report.__dict__)
 
 
 def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> dict[int, GroupFinished]:
@@ -59,7 +62,7 @@ def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> di
     if directory is None:
         return {}
     reports = {}
-    prefix = f"{_PREFIX}{run_id.replace(os.sep, '_')}.group"
+    prefix = f"{_PREFIX}{_in_name(run_id)}.group"
     try:
         paths = [path for path in Path(directory).iterdir() if path.name.startswith(prefix)]
     except FileNotFoundError:
@@ -76,7 +79,7 @@ def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> di
 
 
 def _reached_path(directory: str | os.PathLike[str], run_id: str) -> Path:
-    return Path(directory) / f"run_reached.{run_id.replace(os.sep, '_')}.json"
+    return Path(directory) / f"run_reached.{_in_name(run_id)}.json"
 
 
 def record_reached(directory: str | os.PathLike[str], run_id: str, step: int) -> None:
@@ -85,11 +88,7 @@ def record_reached(directory: str | os.PathLike[str], run_id: str, step: int) ->
     own, at step 0; a later restart must still know that the job was past it."""
     if step <= reached(directory, run_id):
         return
-    path = _reached_path(directory, run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"run_id": run_id, "step": int(step)}))
-    os.replace(partial, path)
+    _write_json(_reached_path(directory, run_id), {"run_id": run_id, "step": int(step)})
 
 
 def reached(directory: str | os.PathLike[str] | None, run_id: str) -> int:
