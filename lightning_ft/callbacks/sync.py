@@ -209,8 +209,7 @@ class SyncCallback(Callback):
           batch (:meth:`_join_final_syncs`).
         """
         self._open(trainer, "join")
-        if self._peers_final_syncs_left:  # healed inside the quorum (synchronous quorum)
-            self._join_final_syncs(trainer, finished=False)
+        self._end_if_healed_into_final_syncs(trainer, finished=False)
         step, committed_syncs = trainer.global_step, ft_manager(trainer).current_step()
         move = self._schedule.join(step, committed_syncs)
         if move == "finish":
@@ -220,11 +219,20 @@ class SyncCallback(Callback):
             events.emit("joined_between_syncs", global_step=step, step=committed_syncs)
         else:
             self._prepare(trainer)
-        if self._peers_final_syncs_left:  # healed at the join sync's vote (asynchronous quorum, LocalSGD only)
-            self._join_final_syncs(trainer, finished=True)
+        self._end_if_healed_into_final_syncs(trainer, finished=True)
+
+    def _end_if_healed_into_final_syncs(self, trainer: pl.Trainer, *, finished: bool) -> None:
+        """Where a sync's quorum (synchronous quorum, ``finished=False``) or its vote (asynchronous quorum,
+        ``finished=True``) may have healed this group: if the heal came from peers in their final syncs, join them.
+
+        Every sync is such a place, not only a restarted group's join: a group that fell one sync behind while it
+        was alive (left out of a quorum it was late for) heals at its next sync, and its peers may be in their final
+        syncs by then. It must end with them, not train on alone past ``max_steps``."""
+        if self._peers_final_syncs_left:
+            self._join_final_syncs(trainer, finished=finished)
 
     def _join_final_syncs(self, trainer: pl.Trainer, *, finished: bool) -> None:
-        """The join sync healed this group into its peers' final syncs: they have run their last inner step
+        """A sync healed this group into its peers' final syncs: they have run their last inner step
         (``global_step`` is now theirs, ``max_steps``) and sync in ``on_train_end``. Finish this sync (unless the heal
         came at its vote, ``finished``) and run the ones left after it with them, as final syncs, then skip the batch
         this group was about to train: another inner step would leave it one step past its peers, with parameters
@@ -274,12 +282,15 @@ class SyncCallback(Callback):
         step, schedule = trainer.global_step, self._schedule
         if self._in_flight is not None and schedule.finishes_in_flight(step):
             self._finish(trainer)
+            self._end_if_healed_into_final_syncs(trainer, finished=True)
         if self._in_flight is None and schedule.opens(step):
             self._open(trainer, "periodic")
+            self._end_if_healed_into_final_syncs(trainer, finished=False)
             if schedule.overlapped:
                 self._prepare(trainer)
             else:
                 self._finish(trainer)
+                self._end_if_healed_into_final_syncs(trainer, finished=True)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -24,7 +24,7 @@ def run_schedule(launch, schedule: FaultSchedule) -> None:
         nproc_per_group=schedule.nproc,
         max_restarts=schedule.max_restarts,
         worker_args=[*schedule.worker_args, *GATES],
-        launcher_args=["--finish-grace=600"],
+        launcher_args=schedule.launcher_args,
     )
     try:
         start_together(job, groups=schedule.groups, nproc=schedule.nproc)

@@ -50,6 +50,8 @@ KILL_DEADLINE_S = 150.0
 BATCH_SLEEP_S = 0.25
 T = TypeVar("T")
 END_DEADLINE_S = 240.0
+# Longer than the time between two syncs of a semi-sync path on a loaded machine (a sync every 4 paced batches).
+SEMI_SYNC_JOIN_TIMEOUT_MS = 30_000
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,16 @@ class FaultSchedule:
     @property
     def worker_args(self) -> list[str]:
         return [f"--max-steps={self.max_steps}", f"--batch-sleep={BATCH_SLEEP_S}", *PATHS[self.path]]
+
+    @property
+    def launcher_args(self) -> list[str]:
+        """The launcher's options: a finish grace long enough never to decide a verdict, and with semi-sync and 3
+        groups the join timeout that docs/semi-sync.md asks for (longer than the time between two syncs): without it
+        a survivor late for the final sync ends on its own (issue 51's "semi-sync ends as one model")."""
+        semi_sync_join = (
+            [f"--join-timeout-ms={SEMI_SYNC_JOIN_TIMEOUT_MS}"] if self.path in SEMI_SYNC and self.groups > 2 else []
+        )
+        return ["--finish-grace=600", *semi_sync_join]
 
     @property
     def max_restarts(self) -> int:
