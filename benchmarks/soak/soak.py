@@ -122,7 +122,14 @@ def soak_job(root: Path, schedule: FaultSchedule) -> dict[str, Any]:
     return record
 
 
-def run(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+def save(out: Path, args: argparse.Namespace, records: list[dict[str, Any]], complete: bool) -> None:
+    """Write the run's file after every job: a soak stopped early keeps the jobs it ran (``complete`` false)."""
+    settings = {k: getattr(args, k) for k in ("kills", "groups", "kills_per_job", "spacing", "paths", "seed")}
+    result = {**header(), "settings": settings, "complete": complete, **summary(records), "jobs": records}
+    out.write_text(json.dumps(result, indent=1))
+
+
+def run(args: argparse.Namespace, scratch: Path, out: Path) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     records: list[dict[str, Any]] = []
     for number, path in enumerate(itertools.cycle(args.paths)):
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
         )
         if not record["ok"]:
             print(record["failure"], flush=True)
+        save(out, args, records, complete=False)
     return records
 
 
@@ -192,11 +200,9 @@ def main() -> None:
         return
     out = new_results_file("soak", args.out, args.label)
     with tempfile.TemporaryDirectory(prefix="lightning-ft-soak-") as scratch:
-        records = run(args, Path(scratch))
-    totals = summary(records)
-    print(f"soak: {totals}")
-    settings = {k: getattr(args, k) for k in ("kills", "groups", "kills_per_job", "spacing", "paths", "seed")}
-    out.write_text(json.dumps({**header(), "settings": settings, **totals, "jobs": records}, indent=1))
+        records = run(args, Path(scratch), out)
+    save(out, args, records, complete=True)
+    print(f"soak: {summary(records)}")
     print(f"wrote {out}")
 
 
