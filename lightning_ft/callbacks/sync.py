@@ -21,13 +21,20 @@ from lightning_ft.algorithms.diloco import DiLoCoSync
 from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.algorithms.schedule import SyncSchedule
 from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_manager, ft_step_protocol
-from lightning_ft.errors import StrategyRequiredError
+from lightning_ft.errors import LightningFTError, StrategyRequiredError
 from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 
 SYNC_STATE_KEY = "semi_sync"
 DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
+#: How many times in a row a final sync may fail (a peer died in it, a collective timed out) before the group stops.
+FINAL_SYNC_ATTEMPTS = 10
+
+
+class FinalSyncError(LightningFTError, RuntimeError):
+    """A final sync failed :data:`FINAL_SYNC_ATTEMPTS` times in a row: this group's last inner steps were never
+    averaged with its peers', so it stops with an error rather than end as a model of its own."""
 
 
 def _algorithm(trainer: pl.Trainer) -> AlgorithmSettings:
@@ -156,8 +163,8 @@ class SyncCallback(Callback):
         self._in_flight = self._diloco.prepare()
         ft_step_protocol(trainer).begin_overlapped_sync()
 
-    def _finish(self, trainer: pl.Trainer) -> None:
-        """Average (or take the outer step), vote, close the quorum."""
+    def _finish(self, trainer: pl.Trainer) -> bool:
+        """Average (or take the outer step), vote, close the quorum; returns whether the sync committed."""
         protocol = ft_step_protocol(trainer)
         manager = protocol.manager
         protocol.end_overlapped_sync()
@@ -189,11 +196,33 @@ class SyncCallback(Callback):
             broadcast_state_in_group(trainer)
             if self._diloco is not None:
                 self._diloco.reset_global_parameters()  # the backups were taken before the ranks were re-aligned
+        return committed
 
-    def _sync(self, trainer: pl.Trainer, reason: str) -> None:
-        """A whole sync with no overlap."""
+    def _sync(self, trainer: pl.Trainer, reason: str) -> bool:
+        """A whole sync with no overlap; returns whether it committed."""
         self._open(trainer, reason)
-        self._finish(trainer)
+        return self._finish(trainer)
+
+    def _final_sync(self, trainer: pl.Trainer, *, opened: bool = False) -> None:
+        """One final sync (``opened``: its quorum is open already, the sync in flight or the one this group healed
+        in), retried until it commits.
+
+        A periodic sync that fails (a peer died in it) is not retried: the groups train on, and the next sync brings
+        them back together. After the last inner step there is no next sync: every group would leave with its own
+        parameters. So every group retries, with a new quorum of the groups still alive; the Manager step has not
+        moved, so a retry syncs the same fragment. A restarted group may heal into a retry (its peers' count of final
+        syncs left is unchanged by a retry)."""
+        committed = self._finish(trainer) if opened else self._sync(trainer, "final")
+        attempts = 1
+        while not committed:
+            if attempts == FINAL_SYNC_ATTEMPTS:
+                raise FinalSyncError(
+                    f"lightning-ft: the final sync at global_step {trainer.global_step} failed {attempts} times in a "
+                    f"row; this replica group stops instead of ending with parameters its peers do not hold. Its "
+                    f"restart heals from a peer that finished, or finds the job finished."
+                )
+            committed = self._sync(trainer, "final")
+            attempts += 1
 
     def _join(self, trainer: pl.Trainer) -> None:
         """A process lifetime's first batch opens a quorum; where that leaves this group decides what follows.
@@ -247,9 +276,9 @@ class SyncCallback(Callback):
         left, self._peers_final_syncs_left = self._peers_final_syncs_left, 0
         with self._final_sync_rules():
             if not finished:
-                self._finish(trainer)
+                self._final_sync(trainer, opened=True)
             for _ in range(left - 1):
-                self._sync(trainer, "final")
+                self._final_sync(trainer)
         self._joined_final_epoch_progress = trainer.fit_loop.epoch_progress.state_dict()
         events.emit("joined_final_syncs", global_step=trainer.global_step, syncs=left)
         raise StopIteration
@@ -319,8 +348,8 @@ class SyncCallback(Callback):
             remaining = 1 if self._diloco is None else self._diloco.num_fragments
             if self._in_flight is not None:
                 self._reason = "final"
-                self._finish(trainer)
+                self._final_sync(trainer, opened=True)
                 remaining -= 1
             for left in range(remaining, 0, -1):
                 with self._counting_final_syncs(left):
-                    self._sync(trainer, "final")
+                    self._final_sync(trainer)

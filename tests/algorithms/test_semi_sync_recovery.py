@@ -162,6 +162,49 @@ def test_a_live_group_left_one_sync_behind_heals_into_its_peers_final_syncs_and_
             assert_tree_equal(first[name], state[name], f"{key} {name}")
 
 
+def test_a_final_sync_that_fails_is_retried_until_it_commits(launch):
+    """LocalSGD, 3 groups: group 1 is SIGKILLed inside the final sync's allreduce, its peers waiting in theirs. The
+    sync fails everywhere; after the last inner step there is no next sync to bring the groups back together, so the
+    survivors retry it with a new quorum and it commits: every group that reports ends with one model. Checked to
+    fail without the retry: each survivor ended with its own last inner steps (the soak's first LocalSGD failure).
+
+    The restarted group 1 either heals into the retry (and ends with its peers) or comes back after the end."""
+    max_steps, sync_every, victim = 12, 4, 1
+    job = launch(
+        groups=3,
+        worker_args=semi_sync_args(max_steps, "local_sgd", sync_every, 1, 0),
+        launcher_args=["--join-timeout-ms=600000"],  # docs/semi-sync.md: three or more groups
+    )
+    hold = job.hold_from_step(victim, max_steps)
+    start_together(job, groups=3, nproc=1)
+    pid = job.worker_pid(victim, 0)
+    job.wait_for("group 1 to stop after its last inner step", lambda: job.events("paused", pid=pid, phase="from_step"))
+    gate = job.root / f"pause.group{victim}.allreduce"
+    gate.touch()
+    hold.unlink()
+    paused = job.wait_for("group 1 to stop inside the final sync's allreduce", lambda: job.events(
+        "paused", pid=pid, phase="allreduce"))  # fmt: skip
+    assert paused[0]["step"] == max_steps, paused
+    os.kill(pid, signal.SIGKILL)
+    gate.unlink()
+    assert job.wait_exit() == 0, job.tail()
+
+    for survivor in (0, 2):
+        finals = [(e["committed"], e["participants"]) for e in job.events("step", group=survivor, sync="final")]
+        assert finals[0] == (False, 3) and finals[-1][0], f"group {survivor}: final syncs {finals}\n{job.tail()}"
+    states = job.final_states()
+    assert {(0, 0), (2, 0)} <= set(states), sorted(states)
+    syncs = 1 + max_steps // sync_every
+    for key, state in states.items():
+        assert state["global_step"] == max_steps and state["manager_step"] == syncs, (key, state["manager_step"])
+    (first_key, first), *others = sorted(states.items())
+    for key, state in others:
+        for name in ("model", "lr_schedulers", "lrs"):
+            assert_tree_equal(first[name], state[name], f"{first_key} vs {key} {name}")
+    if (victim, 0) not in states:
+        assert job.events("job_already_finished", group=victim), "group 1 neither ended with its peers nor said why"
+
+
 @pytest.mark.parametrize(
     ("algorithm", "fragments", "delay"), [case for case in SEMI_SYNC_CASES if case.id != "streaming-diloco-2-fragments"]
 )

@@ -279,9 +279,13 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
         gate.touch()
     go.touch()
     healer = job.wait_for("torchrun to restart group 2", lambda: job.worker_pid(2, 0, attempt + 1))
-    job.wait_for("group 2 to ask for its first quorum", lambda: job.events("joining", pid=healer))
-    for hold in holds:
-        hold.unlink()
+    # What the survivors wait for is the heal's start, not the healer's request: one step at a time while it asks.
+    job.release_until_healed(
+        dict(zip((0, 1), holds, strict=True)),
+        2,
+        since=killed_at,
+        until=lambda: bool(job.events("paused", phase="heal_send")),
+    )
 
     paused = job.wait_for("a survivor to stop halfway through sending its state", lambda: job.events(
         "paused", phase="heal_send"))[0]  # fmt: skip

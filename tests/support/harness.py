@@ -117,11 +117,16 @@ class LaunchedJob:
         return gate
 
     def release_until_healed(
-        self, holds: dict[int, Path], victims: int | tuple[int, ...], since: float, timeout: float = 240.0
+        self,
+        holds: dict[int, Path],
+        victims: int | tuple[int, ...],
+        since: float,
+        timeout: float = 240.0,
+        until: Callable[[], bool] | None = None,
     ) -> None:
         """Let the groups held by ``holds`` (:meth:`hold_from_step`) go on one step at a time, each time every
-        victim's current process has asked to join and is alive, until every victim has healed after ``since``; then
-        remove the holds.
+        victim's current process has asked to join and is alive, until every victim has healed after ``since`` (or,
+        with ``until``, until that holds: a heal stopped half-way by a gate); then remove the holds.
 
         What the survivors wait for is the victims' heal, not a step count: a restart that fails its first quorum (a
         starved heartbeat can let it form one alone, and its floor check stops it) is restarted and asks again while
@@ -131,6 +136,8 @@ class LaunchedJob:
         waiting = {victims} if isinstance(victims, int) else set(victims)
 
         def healed() -> bool:
+            if until is not None and until():
+                return True
             waiting.difference_update(
                 {e["group"] for e in self.events("healed", rank=0) if e["time"] > since and e["step"] > 0}
             )
