@@ -158,7 +158,7 @@ def run(args: argparse.Namespace, scratch: Path, out: Path) -> list[dict[str, An
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "jobs": len(records),
+        "jobs_run": len(records),  # not "jobs": the results file keeps the job records under that key
         "kills": sum(r["kills"] for r in records),
         "committed_steps": sum(r["committed_steps"] for r in records),
         "longest_wait_s": max((r["longest_wait_s"] for r in records), default=0.0),
@@ -179,7 +179,7 @@ def report(paths: list[Path]) -> None:
             mine = [r for r in records if r["path"] == path]
             total = summary(mine)
             print(
-                f"| `{file.name}` | {path} | {total['jobs']} | {total['kills']} | {total['committed_steps']} | "
+                f"| `{file.name}` | {path} | {total['jobs_run']} | {total['kills']} | {total['committed_steps']} | "
                 f"{total['longest_wait_s']:.1f} s | {total['failed_jobs']} |"
             )
 

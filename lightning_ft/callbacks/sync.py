@@ -219,7 +219,7 @@ class SyncCallback(Callback):
                 raise FinalSyncError(
                     f"lightning-ft: the final sync at global_step {trainer.global_step} failed {attempts} times in a "
                     f"row; this replica group stops instead of ending with parameters its peers do not hold. Its "
-                    f"restart heals from a peer that finished, or finds the job finished."
+                    f"restart joins its peers' final syncs if they still run them, or finds the job finished."
                 )
             committed = self._sync(trainer, "final")
             attempts += 1
