@@ -412,6 +412,7 @@ class FTStrategy(DDPStrategy):
         self._telemetry = FTTelemetry(self._handle.manager, self._handle.transport, self.num_replica_groups)
         if fitting and self._lifecycle is not None:
             self._protocol = StepProtocol(self._handle.manager, self._telemetry, self._model_buffers())
+            self._protocol.check_before_vote(self._lifecycle.last_step_check(trainer).before_vote)
             if not self.algorithm.semi_sync:
                 self._step = StepOwner(
                     self._protocol,

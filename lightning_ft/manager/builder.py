@@ -61,6 +61,7 @@ from lightning_ft.manager.internals import (
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.manager.quorum_members import QuorumMembers
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.manager.vote_inputs import VoteInputs
 from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
@@ -266,6 +267,8 @@ def composed_client(
     * With an external lighthouse, each quorum answer is checked for another live process group claiming this
       group's id (:class:`~lightning_ft.manager.group_claim.GroupClaimCheck`, given this lifetime's ``replica_id``).
     * A one-process group takes its commit vote in process (:class:`~lightning_ft.manager.local_vote.LocalCommitVote`).
+    * Each quorum answer's members are remembered (:class:`~lightning_ft.manager.quorum_members.QuorumMembers`), for
+      the job's last step.
     * Outermost, this process's own vote inputs are read after torchft's device sync
       (:class:`~lightning_ft.manager.vote_inputs.VoteInputs`).
 
@@ -284,4 +287,4 @@ def composed_client(
             client = GroupClaimCheck(client, settings.lighthouse, replica_id)
     if group_world_size == 1:
         client = LocalCommitVote(client)
-    return VoteInputs(client), outage_client
+    return VoteInputs(QuorumMembers(client)), outage_client

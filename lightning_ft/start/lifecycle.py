@@ -1,5 +1,6 @@
 """The job's record through one fit of one replica group: exit after the job's end, start where the job is, save
-only forward, record the end (the strategy calls these from its hooks; see :mod:`.decision` and :mod:`.record`).
+only forward, take the last step with the job, record the end (the strategy calls these from its hooks; see
+:mod:`.decision`, :mod:`.last_step` and :mod:`.record`).
 
 Decisions are taken on group rank 0, which reads the record and the lighthouse, and broadcast inside the group, so
 every rank of a group acts alike.
@@ -27,6 +28,7 @@ from lightning_ft.start.decision import (
     finished_job,
     run_ended_message,
 )
+from lightning_ft.start.last_step import LastStepCheck
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events, run_end
@@ -65,10 +67,19 @@ class GroupLifecycle:
     def _run_end_directory(self) -> Path | None:
         return run_end.configured_directory() or events.current_directory()
 
+    def run_end_reports(self) -> dict[int, run_end.GroupFinished]:
+        """This run's end reports, by group id."""
+        return run_end.finished_groups(self._run_end_directory(), self._run_id)
+
     def run_ended(self) -> run_end.GroupFinished | None:
         """The first report of this run's end by one of its groups (the lowest group id), or None."""
-        reports = run_end.finished_groups(self._run_end_directory(), self._run_id)
+        reports = self.run_end_reports()
         return reports[min(reports)] if reports else None
+
+    def last_step_check(self, trainer: pl.Trainer) -> LastStepCheck:
+        """The check before each vote that keeps the job's last step to one set of groups
+        (:mod:`lightning_ft.start.last_step`)."""
+        return LastStepCheck(trainer, self._settings, self._group_rank, self._broadcast, self.run_end_reports)
 
     def exit_if_job_finished(self, trainer: pl.Trainer) -> None:
         """A group started after its job finished exits 0 at once: no training, logging or checkpoint. Called before

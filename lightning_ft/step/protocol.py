@@ -73,6 +73,7 @@ class StepProtocol:
         self._sync_in_flight = False
         self._non_finite_skips = 0
         self._step_start_observers: list[Callable[[], None]] = []
+        self._before_vote: Callable[[Manager], None] | None = None
         # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
         self._floor_step: int | None = None
@@ -139,6 +140,12 @@ class StepProtocol:
         happens: where a group's loop position at the start of a step is taken
         (:class:`~lightning_ft.callbacks.DataPositionCallback`), whichever code opens the quorum."""
         self._step_start_observers.append(observer)
+
+    def check_before_vote(self, check: Callable[[Manager], None] | None) -> None:
+        """Call ``check(manager)`` before each step's vote, in every rank of the group alike (it may broadcast inside
+        the group): it may report an error to the Manager (the step is not committed) or raise to stop the group.
+        Where the job's last step is checked (:mod:`lightning_ft.start.last_step`)."""
+        self._before_vote = check
 
     def begin_overlapped_sync(self) -> None:
         """A streaming DiLoCo sync's allreduce is in flight: its quorum stays open while the next inner steps, the
@@ -223,6 +230,8 @@ class StepProtocol:
         if buffers is not None:
             buffers.average()
         self._abort_failed_process_group()
+        if self._before_vote is not None:
+            self._before_vote(self.manager)
         decision = self._vote()
         self._record(decision)
         if buffers is not None:  # after the vote, which may have healed this replica's buffers

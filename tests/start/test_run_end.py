@@ -137,37 +137,85 @@ def test_every_group_down_at_once_without_checkpoints_never_starts_the_job_over(
     assert job.events("behind_checkpoint")
 
 
-@pytest.mark.paths
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (issue 51, item 4): a live group left out of the job's last quorum commits its last step alone",
-)
-def test_a_live_group_left_out_of_the_last_quorum_does_not_end_as_a_second_model(launch):
-    """Per-step DDP, 3 groups: group 0 is frozen (SIGSTOP) before its last batch, so its heartbeat lapses and groups 1
-    and 2 take the last step without it and finish. Let go, group 0 asks for its last quorum, meets nobody, and
-    commits its last step on its own: a second model at ``max_steps``. What it must do instead: end with its peers'
-    final state, or say that the job finished without it (``job_already_finished``) and write no final state.
+HSDP_TWO_PROCESSES = [*HSDP]  # with nproc 2: the check's verdict is taken on rank 0 and broadcast in the group
 
-    Strict xfail: it fails on main today (the benchmarks/soak HSDP failures are this case), and the fix turns it into
-    a pass, which must then drop the mark."""
-    max_steps, straggler = 20, 0
-    job = launch(groups=3, worker_args=[f"--max-steps={max_steps}", "--async-quorum=0", *GATES])
+LAST_STEP_CASES = [
+    pytest.param([], 1, 0, id="ddp-group-0"),
+    pytest.param(["--async-quorum=0"], 1, 2, id="ddp-synchronous-quorum-group-2", marks=pytest.mark.paths),
+    pytest.param(HSDP_TWO_PROCESSES, 2, 1, id="hsdp-2-processes-group-1", marks=pytest.mark.paths),
+]
+
+
+def state_ranks(path: list[str], nproc: int) -> range:
+    """The ranks of a group that write a final state: every DDP replica; with FSDP, rank 0 (the group's full state)."""
+    return range(1 if "--data-parallel=fsdp" in path else nproc)
+
+
+def hold_before_last_batch(launch, path: list[str], nproc: int, straggler: int, max_steps: int):
+    """A 3-group job whose ``straggler`` stops before its last batch: the job, the hold, and the straggler's PIDs."""
+    job = launch(groups=3, nproc_per_group=nproc, worker_args=[f"--max-steps={max_steps}", *path, *GATES])
     hold = job.hold_from_step(straggler, max_steps - 1)
-    start_together(job, groups=3, nproc=1)
-    pid = job.worker_pid(straggler, 0)
-    job.wait_for("group 0 to stop before its last batch", lambda: job.events("paused", pid=pid, phase="from_step"))
-    os.kill(pid, signal.SIGSTOP)
+    start_together(job, groups=3, nproc=nproc)
+    pids = [job.worker_pid(straggler, rank) for rank in range(nproc)]
+    job.wait_for(
+        f"group {straggler} to stop before its last batch",
+        lambda: all(job.events("paused", pid=pid, phase="from_step") for pid in pids),
+    )
+    return job, hold, pids
+
+
+@pytest.mark.parametrize(("path", "nproc", "straggler"), LAST_STEP_CASES)
+def test_a_group_frozen_out_of_the_last_quorum_stops_instead_of_ending_as_a_second_model(
+    launch, path, nproc, straggler
+):
+    """Group ``straggler`` is frozen (SIGSTOP) before its last batch, so its heartbeat lapses and the other two take
+    the last step without it and finish. Let go, it meets nobody for its last quorum. It must not commit its last step
+    alone (a second model at ``max_steps``, which it did before :mod:`lightning_ft.start.last_step`; checked with the
+    check removed): it reads its peers' end reports, says so in one line, and exits 0 without a final state."""
+    max_steps = 20
+    job, hold, pids = hold_before_last_batch(launch, path, nproc, straggler, max_steps)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         hold.unlink()
-        peers = [job.worker_pid(group, 0) for group in (1, 2)]
-        job.wait_for("groups 1 and 2 to finish and exit", lambda: all(map(process_gone, peers)), timeout=240)
+        peers = [job.worker_pid(group, rank) for group in range(3) if group != straggler for rank in range(nproc)]
+        job.wait_for("the other groups to finish and exit", lambda: all(map(process_gone, peers)), timeout=240)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     assert job.wait_exit() == 0, job.tail()
     states = job.final_states()
-    assert {(1, 0), (2, 0)} <= set(states), sorted(states)
+    ranks = state_ranks(path, nproc)
+    assert sorted(states) == [(g, r) for g in range(3) if g != straggler for r in ranks], sorted(states)
     for key, state in states.items():
         assert state["global_step"] == max_steps, (key, state["global_step"])
-    assert_bit_identical(states, replicas=len(states))
-    if (straggler, 0) not in states:
-        assert job.events("job_already_finished", group=straggler), "group 0 wrote no final state and said nothing"
+    assert_bit_identical(states, replicas=2 * len(ranks))
+    for pid in pids:
+        assert job.events("job_already_finished", pid=pid), job.tail()
+    said = [line for line in job.log_path.read_text().splitlines() if "stops before its last step" in line]
+    assert said and all(f"[group {straggler}" in line for line in said), said
+
+
+@pytest.mark.parametrize(("path", "nproc", "straggler"), LAST_STEP_CASES)
+def test_a_live_group_late_for_the_last_quorum_takes_the_last_step_with_its_peers(launch, path, nproc, straggler):
+    """Group ``straggler`` is held before its last batch, alive: it heartbeats, so the lighthouse forms the other
+    groups' last quorums without it after each join timeout. They must not commit the last step without it while it
+    lives (``last_step_deferred``); once it is let go it joins their next quorum, and all three groups commit the last
+    step together: three final states, bit-identical, at ``max_steps``. Checked with the check removed: the two
+    commit alone and finish, and the straggler commits its own last step (a second model)."""
+    max_steps = 20
+    job, hold, _ = hold_before_last_batch(launch, path, nproc, straggler, max_steps)
+    peers = [group for group in range(3) if group != straggler]
+    job.wait_for(
+        "the other groups to take their last step again while the straggler lives",
+        lambda: all(len(job.events("last_step_deferred", group=group, rank=0)) >= 2 for group in peers),
+    )
+    hold.unlink()
+    assert job.wait_exit(timeout=240) == 0, job.tail()
+    states = job.final_states()
+    ranks = state_ranks(path, nproc)
+    assert sorted(states) == [(g, r) for g in range(3) for r in ranks], sorted(states)
+    for key, state in states.items():
+        assert state["global_step"] == max_steps, (key, state["global_step"])
+    assert_bit_identical(states, replicas=3 * len(ranks))
+    assert not job.events("job_already_finished"), job.tail()
