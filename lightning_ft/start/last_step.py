@@ -113,7 +113,7 @@ class LastStepCheck:
         if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
             return True
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-        return bool(last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return bool(last_epoch and trainer.is_last_batch)
 
     def before_vote(self, manager: Manager) -> None:
         """Stop, vote not to commit, or let the vote go on (see the module's rule)."""

@@ -10,6 +10,7 @@ from lightning_ft import FTStrategy
 from lightning_ft.manager.builder import composed_client
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient
 from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.manager.quorum_members import QuorumMembers, quorum_groups
 from lightning_ft.manager.vote_inputs import VoteInputs, should_commit_reading
 
 
@@ -41,9 +42,10 @@ def test_a_group_of_several_processes_keeps_torchfts_vote():
     base = RecordingClient()
     one, outage = composed_client(base, settings, group_world_size=1)
     several, _ = composed_client(base, settings, group_world_size=2)
-    assert isinstance(one, VoteInputs) and isinstance(one._client, LocalCommitVote)
+    assert isinstance(one, VoteInputs) and isinstance(one._client, QuorumMembers)
+    assert isinstance(one._client._client, LocalCommitVote)
     assert outage is None  # an embedded lighthouse: no outage to ride out
-    assert isinstance(several, VoteInputs) and several._client is base
+    assert isinstance(several, VoteInputs) and several._client._client is base
     with pytest.raises(ValueError, match="group rank 1"):
         one.should_commit(1, 0, True, timedelta(seconds=1))
 
@@ -56,11 +58,30 @@ def test_the_client_is_composed_once_outage_tolerance_inside_the_local_vote():
     client, outage = composed_client(base, settings, group_world_size=1)
     try:
         assert isinstance(client, VoteInputs) and isinstance(outage, OutageTolerantClient)
-        assert isinstance(client._client, LocalCommitVote) and client._client._client is outage
+        local = client._client._client
+        assert isinstance(local, LocalCommitVote) and local._client is outage
         assert client.should_commit(0, 3, True, timedelta(seconds=1)) is True and base.calls == []
     finally:
         assert outage is not None
         outage.shutdown()
+
+
+def test_every_quorum_answer_passes_through_and_its_members_are_remembered():
+    """The job's last step needs the latest quorum's members (lightning_ft.start.last_step); only this job's count."""
+
+    class Answer:
+        replica_ids = ["job_0002:a", "other_0001:b", "job_0000:c"]
+
+    class Answering(RecordingClient):
+        def _quorum(self, **request: object) -> type[Answer]:  # type: ignore[override]
+            return Answer
+
+    class Manager:
+        _client = VoteInputs(QuorumMembers(Answering()))
+
+    assert quorum_groups(Manager, "job_") is None  # no quorum yet
+    assert Manager._client._quorum(step=3) is Answer
+    assert quorum_groups(Manager, "job_") == {0, 2}
 
 
 class VotingManager:

@@ -63,8 +63,9 @@ class FakeManager:
         self.errors.append(error)
 
 
-def make_check(page, reports=None, global_step=19, max_steps=20, clock=lambda: 0.0, group=0):
-    trainer = SimpleNamespace(max_steps=max_steps, global_step=global_step, max_epochs=None, current_epoch=0)
+def make_check(page, reports=None, global_step=19, max_steps=20, clock=lambda: 0.0, group=0, **trainer_fields):
+    fields = dict(max_steps=max_steps, global_step=global_step, max_epochs=None, current_epoch=0) | trainer_fields
+    trainer = SimpleNamespace(**fields)
     settings = SimpleNamespace(
         lighthouse="http://lighthouse", num_replica_groups=3, replica_id_prefix=PREFIX, replica_group_id=group
     )
@@ -109,3 +110,12 @@ def test_a_heartbeating_outsider_is_waited_for_at_most_the_bound():
     now[0] = LAST_STEP_WAIT_S
     check.before_vote(manager)
     assert len(manager.errors) == 2, "past the bound the group commits"
+
+
+def test_the_last_batch_of_the_last_epoch_ends_the_fit_too():
+    def ends(epoch: int, last_batch: bool) -> bool:
+        check = make_check(status(0), max_steps=-1, max_epochs=2, current_epoch=epoch, is_last_batch=last_batch)
+        return check.ends_the_fit()
+
+    assert ends(1, True)
+    assert not ends(1, False) and not ends(0, True)

@@ -139,6 +139,7 @@ def test_without_unused_parameter_search_the_restarted_group_s_gradients_line_up
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
 
 
+@pytest.mark.paths  # make test kills a rank of a 2-process group with accumulation and clipping under HSDP
 def test_sigkill_rank_of_two_process_group_with_accumulation(launch):
     """2 groups x 2 processes (torchrun), accumulation and clipping: killing one rank restarts its whole group,
     which gets a fresh store, heals, and rejoins."""
