@@ -24,6 +24,7 @@ from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_mana
 from lightning_ft.errors import LightningFTError, StrategyRequiredError
 from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft.settings import FTConfigError
+from lightning_ft.start.last_step import deferred_last_step
 from lightning_ft_job import events
 
 SYNC_STATE_KEY = "semi_sync"
@@ -213,7 +214,7 @@ class SyncCallback(Callback):
         moved, so a retry syncs the same fragment. A restarted group may heal into a retry (its peers' count of final
         syncs left is unchanged by a retry)."""
         committed = self._finish(trainer) if opened else self._sync(trainer, "final")
-        attempts = 1
+        attempts = 0 if deferred_last_step(ft_manager(trainer)) else 1
         while not committed:
             if attempts == FINAL_SYNC_ATTEMPTS:
                 raise FinalSyncError(
@@ -222,7 +223,8 @@ class SyncCallback(Callback):
                     f"restart joins its peers' final syncs if they still run them, or finds the job finished."
                 )
             committed = self._sync(trainer, "final")
-            attempts += 1
+            if not deferred_last_step(ft_manager(trainer)):  # a sync taken again for a late group is not a failure
+                attempts += 1
 
     def _join(self, trainer: pl.Trainer) -> None:
         """A process lifetime's first batch opens a quorum; where that leaves this group decides what follows.

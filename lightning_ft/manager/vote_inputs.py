@@ -10,7 +10,8 @@ batch's work (``docs/benchmarks.md``).
 
 :class:`VoteInputs` wraps the Manager's client (outermost, :func:`lightning_ft.manager.builder.composed_client`): the
 client's ``should_commit`` is the first thing torchft calls after its sync. :func:`should_commit_reading` is the one
-entry point: it hands the reader to the client for the next vote only.
+entry point: it hands the reader to the client for the next vote only. A check made at every vote, every path's
+(the job's last step: :mod:`lightning_ft.start.last_step`), is installed with :meth:`VoteInputs.check_each_vote`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class VoteInputs:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._reader: VoteReader | None = None
+        self._each_vote: Callable[[], bool] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -54,8 +56,15 @@ class VoteInputs:
     def read_at_next_vote(self, reader: VoteReader | None) -> None:
         self._reader = reader
 
+    def check_each_vote(self, check: Callable[[], bool] | None) -> None:
+        """Call ``check()`` at every vote, whatever the vote so far (it may broadcast inside the group, so every rank
+        must call it): ``False`` votes not to commit (it reports its error to the Manager itself); it may raise."""
+        self._each_vote = check
+
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
-        """Cast this process's vote: torchft's, then the reader's say, once per vote."""
+        """Cast this process's vote: torchft's, the vote check's and then the reader's say."""
+        if self._each_vote is not None:
+            should_commit = self._each_vote() and should_commit
         reader, self._reader = self._reader, None
         if reader is not None:
             should_commit = reader(should_commit)

@@ -5,17 +5,19 @@ its heartbeat to lapse, or that asked after the join timeout). Before the last s
 heals from the others at its next quorum. After the last step there is no next quorum: the others finish, and the
 late group, still one step behind, would commit the last step in a quorum of its own and end as a second model.
 
-So a group whose vote would end its fit (``max_steps`` or the last batch of ``max_epochs``), in a quorum that lacks
-some of the job's groups, first looks at the groups outside its quorum (on group rank 0, broadcast in the group so
-that every rank acts alike):
+The same holds for a semi-synchronous job's final syncs (LocalSGD, DiLoCo): a group left out of its peers' final
+syncs would sync alone. So a group whose vote would end its fit (``max_steps`` or the last batch of ``max_epochs``: a
+step, or a final sync), in a quorum that lacks some of the job's groups, first looks at the groups outside its quorum
+(on group rank 0, broadcast in the group so that every rank acts alike):
 
 1. **One of them reported the run's end at this step or later** (:mod:`lightning_ft_job.run_end`): the job ended
    without this group. It stops like a group restarted after the end: one line, the ``job_already_finished`` event,
    exit 0, no final state (:class:`~lightning_ft.start.decision.JobAlreadyFinished`).
 2. **Else one of them still heartbeats**: it may be finishing this very step in another quorum (a group writes its
    report before its Manager stops heartbeating), or it is alive and late. This group votes not to commit
-   (:class:`LastStepDeferred`) and asks for a new quorum, which the late group can join; the step is taken again. For
-   at most :data:`LAST_STEP_WAIT_S`; then it commits (an outsider that comes later finds its report: rule 1).
+   (:class:`LastStepDeferred`) and asks for a new quorum, which the late group can join; the step (or the final sync)
+   is taken again. For at most :data:`LAST_STEP_WAIT_S`; then it commits (an outsider that comes later finds its
+   report: rule 1).
 3. **Else** it commits.
 
 The lighthouse's heartbeats are read before the reports: a finisher whose heartbeat is seen lapsed had written its
@@ -50,6 +52,12 @@ LAST_STEP_WAIT_S = 60.0
 
 class LastStepDeferred(LightningFTError, RuntimeError):
     """This group does not commit its last step yet: a group outside its quorum may be ending the job at it."""
+
+
+def deferred_last_step(manager: Manager) -> bool:
+    """Whether the Manager's latest vote was not to commit because a late group may yet join (not a failure)."""
+    error = manager.errored()
+    return error is not None and isinstance(error.original_exception, LastStepDeferred)
 
 
 @dataclass(frozen=True)
@@ -108,27 +116,28 @@ class LastStepCheck:
 
     def ends_the_fit(self) -> bool:
         """Whether committing the step now voted on ends the fit: ``max_steps`` reached, or the last batch of the
-        last epoch."""
+        last epoch (a semi-synchronous job's final syncs run at ``max_steps``, so they count too)."""
         trainer = self._trainer
         if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
             return True
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
         return bool(last_epoch and trainer.is_last_batch)
 
-    def before_vote(self, manager: Manager) -> None:
-        """Stop, vote not to commit, or let the vote go on (see the module's rule)."""
+    def before_vote(self, manager: Manager) -> bool:
+        """Stop, vote not to commit (``False``, the error reported to ``manager``), or let the vote go on (``True``);
+        see the module's rule. ``step`` here is the Manager's: committed steps, or syncs for LocalSGD and DiLoCo."""
         settings = self._settings
         if settings.lighthouse is None or settings.num_replica_groups < 2 or not self.ends_the_fit():
-            return
+            return True
         manager.wait_quorum()  # its answer names the members (an asynchronous quorum has arrived by the vote anyway)
         members = quorum_groups(manager, settings.replica_id_prefix)
         if members is None or len(members) >= settings.num_replica_groups:
-            return
+            return True
         step = manager.current_step() + 1
         verdict = self._broadcast(self._decide(members, step) if self._group_rank == 0 else None)
         if verdict is None:
             self._deferring_since = None
-            return
+            return True
         assert isinstance(verdict, LastVote)
         group = settings.replica_group_id
         if verdict.ended is not None:
@@ -149,6 +158,7 @@ class LastStepCheck:
                 f"ending the job there"
             )
         )
+        return False
 
     def _decide(self, members: set[int], step: int) -> LastVote | None:
         """Rank 0's verdict: ``None`` lets the vote go on."""

@@ -26,9 +26,13 @@ from torch import Tensor
 from torchft import Manager
 
 from lightning_ft.errors import LightningFTError
-from lightning_ft.manager.internals import abort_cross_group_process_group, set_aside_if_left_behind
+from lightning_ft.manager.internals import (
+    abort_cross_group_process_group,
+    manager_client,
+    set_aside_if_left_behind,
+)
 from lightning_ft.manager.telemetry import FTTelemetry
-from lightning_ft.manager.vote_inputs import host_copy, should_commit_reading
+from lightning_ft.manager.vote_inputs import VoteInputs, host_copy, should_commit_reading
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
 
@@ -73,7 +77,7 @@ class StepProtocol:
         self._sync_in_flight = False
         self._non_finite_skips = 0
         self._step_start_observers: list[Callable[[], None]] = []
-        self._before_vote: Callable[[Manager], None] | None = None
+        self._before_vote: Callable[[], bool] | None = None  # with a Manager built without VoteInputs
         # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
         self._floor_step: int | None = None
@@ -141,11 +145,16 @@ class StepProtocol:
         (:class:`~lightning_ft.callbacks.DataPositionCallback`), whichever code opens the quorum."""
         self._step_start_observers.append(observer)
 
-    def check_before_vote(self, check: Callable[[Manager], None] | None) -> None:
-        """Call ``check(manager)`` before each step's vote, in every rank of the group alike (it may broadcast inside
-        the group): it may report an error to the Manager (the step is not committed) or raise to stop the group.
-        Where the job's last step is checked (:mod:`lightning_ft.start.last_step`)."""
-        self._before_vote = check
+    def check_before_vote(self, check: Callable[[Manager], bool]) -> None:
+        """Call ``check(manager)`` at every vote, a step's or a sync's (torchft's own inside DiLoCo), in every rank
+        of the group alike (it may broadcast inside the group). ``False`` votes not to commit, with the error it
+        reported to the Manager; it may raise to stop the group. Where the job's last step is checked
+        (:mod:`lightning_ft.start.last_step`)."""
+        client = manager_client(self.manager)
+        if isinstance(client, VoteInputs):
+            client.check_each_vote(lambda: check(self.manager))
+        else:  # a Manager built by hand: steps only
+            self._before_vote = lambda: check(self.manager)
 
     def begin_overlapped_sync(self) -> None:
         """A streaming DiLoCo sync's allreduce is in flight: its quorum stays open while the next inner steps, the
@@ -231,7 +240,7 @@ class StepProtocol:
             buffers.average()
         self._abort_failed_process_group()
         if self._before_vote is not None:
-            self._before_vote(self.manager)
+            self._before_vote()
         decision = self._vote()
         self._record(decision)
         if buffers is not None:  # after the vote, which may have healed this replica's buffers

@@ -122,3 +122,18 @@ def test_a_manager_built_without_the_wrapper_reads_before_its_vote():
     manager = VotingManager(LocalCommitVote(RecordingClient()), log)
     assert should_commit_reading(manager, lambda vote: log.append("read") is None and vote) is True  # type: ignore[arg-type]
     assert log == ["read", "device sync"]
+
+
+@pytest.mark.parametrize("torchft_says", [True, False])
+def test_the_vote_check_runs_at_every_vote_whatever_the_vote_and_its_no_is_final(torchft_says):
+    """Every rank must make the check (it broadcasts in the group), even one whose vote is already no; its no wins,
+    and the one-shot reader sees the combined vote."""
+    log: list[str] = []
+    inputs = VoteInputs(LocalCommitVote(RecordingClient()))
+    says = iter([True, False])
+    inputs.check_each_vote(lambda: log.append("check") is None and next(says))
+    inputs.read_at_next_vote(lambda vote: log.append(f"read (voting {vote})") is None and vote)
+    timeout = timedelta(seconds=1)
+    assert inputs.should_commit(0, 5, torchft_says, timeout) is torchft_says
+    assert inputs.should_commit(0, 5, torchft_says, timeout) is False
+    assert log == ["check", f"read (voting {torchft_says})", "check"]
