@@ -350,7 +350,8 @@ class SyncCallback(Callback):
             remaining = 1 if self._diloco is None else self._diloco.num_fragments
             if self._in_flight is not None:
                 self._reason = "final"
-                self._final_sync(trainer, opened=True)
+                with self._counting_final_syncs(remaining):  # a group that heals into a retry runs them all
+                    self._final_sync(trainer, opened=True)
                 remaining -= 1
             for left in range(remaining, 0, -1):
                 with self._counting_final_syncs(left):
