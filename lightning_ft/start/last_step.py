@@ -16,8 +16,8 @@ step, or a final sync), in a quorum that lacks some of the job's groups, first l
 2. **Else one of them still heartbeats**: it may be finishing this very step in another quorum (a group writes its
    report before its Manager stops heartbeating), or it is alive and late. This group votes not to commit
    (:class:`LastStepDeferred`) and asks for a new quorum, which the late group can join; the step (or the final sync)
-   is taken again. For at most :data:`LAST_STEP_WAIT_S`; then it commits (an outsider that comes later finds its
-   report: rule 1).
+   is taken again. For at most :data:`LAST_STEP_WAIT_S` (and fewer times in a row than ``max_retries``, after which
+   torchft would stop the group); then it commits (an outsider that comes later finds its report: rule 1).
 3. **Else** it commits.
 
 The lighthouse's heartbeats are read before the reports: a finisher whose heartbeat is seen lapsed had written its
@@ -113,6 +113,7 @@ class LastStepCheck:
         self._read_status = read_status
         self._clock = clock
         self._deferring_since: float | None = None
+        self._deferrals = 0
 
     def ends_the_fit(self) -> bool:
         """Whether committing the step now voted on ends the fit: ``max_steps`` reached, or the last batch of the
@@ -136,7 +137,7 @@ class LastStepCheck:
         step = manager.current_step() + 1
         verdict = self._broadcast(self._decide(members, step) if self._group_rank == 0 else None)
         if verdict is None:
-            self._deferring_since = None
+            self._deferring_since, self._deferrals = None, 0
             return True
         assert isinstance(verdict, LastVote)
         group = settings.replica_group_id
@@ -177,12 +178,17 @@ class LastStepCheck:
         now = self._clock()
         if self._deferring_since is None:
             self._deferring_since = now
-        if now - self._deferring_since >= LAST_STEP_WAIT_S:
+        # torchft stops a group after max_retries uncommitted votes in a row: a deferral must never be the last one.
+        max_retries = self._settings.max_retries
+        if now - self._deferring_since >= LAST_STEP_WAIT_S or (
+            max_retries is not None and self._deferrals + 1 >= max_retries
+        ):
             log.warning(
                 "lightning-ft: replica group(s) %s outside the last step's quorum still heartbeat after %.0f s; "
                 "committing the last step without them (if they reach it, they find this group's end report).",
                 ", ".join(map(str, verdict.heartbeating)),
-                LAST_STEP_WAIT_S,
+                now - self._deferring_since,
             )
             return None
+        self._deferrals += 1
         return verdict

@@ -63,11 +63,17 @@ class FakeManager:
         self.errors.append(error)
 
 
-def make_check(page, reports=None, global_step=19, max_steps=20, clock=lambda: 0.0, group=0, **trainer_fields):
+def make_check(
+    page, reports=None, global_step=19, max_steps=20, clock=lambda: 0.0, group=0, max_retries=None, **trainer_fields
+):
     fields = dict(max_steps=max_steps, global_step=global_step, max_epochs=None, current_epoch=0) | trainer_fields
     trainer = SimpleNamespace(**fields)
     settings = SimpleNamespace(
-        lighthouse="http://lighthouse", num_replica_groups=3, replica_id_prefix=PREFIX, replica_group_id=group
+        lighthouse="http://lighthouse",
+        num_replica_groups=3,
+        replica_id_prefix=PREFIX,
+        replica_group_id=group,
+        max_retries=max_retries,
     )
 
     def read(_url: str) -> LighthouseStatus:
@@ -119,3 +125,11 @@ def test_the_last_batch_of_the_last_epoch_ends_the_fit_too():
 
     assert ends(1, True)
     assert not ends(1, False) and not ends(0, True)
+
+
+def test_deferrals_stop_short_of_torchfts_max_retries():
+    """torchft stops a group after ``max_retries`` uncommitted votes in a row: the check defers fewer times."""
+    check = make_check(status(0, 1), max_retries=3)
+    manager = FakeManager([0])
+    assert [check.before_vote(manager) for _ in range(3)] == [False, False, True]
+    assert len(manager.errors) == 2
