@@ -83,8 +83,9 @@ def last_vote(
 
 
 class LastStepCheck:
-    """Made before the vote of each step of a group's fit (:meth:`~lightning_ft.step.protocol.StepProtocol.commit`);
-    it acts only at the fit's last step, in a quorum without every group of the job.
+    """Made at every vote of a group's fit, a step's or a sync's
+    (:meth:`~lightning_ft.step.protocol.StepProtocol.check_before_vote`); it acts only at the fit's last step or final
+    syncs, in a quorum without every group of the job.
 
     Args:
         trainer: The fitting trainer: whether this step ends the fit.
