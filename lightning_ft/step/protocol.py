@@ -77,7 +77,6 @@ class StepProtocol:
         self._sync_in_flight = False
         self._non_finite_skips = 0
         self._step_start_observers: list[Callable[[], None]] = []
-        self._before_vote: Callable[[], bool] | None = None  # with a Manager built without VoteInputs
         # A step the job had already reached (its newest checkpoint, lightning_ft.start.decision), which this process's
         # first quorum must reach, and where that step is from.
         self._floor_step: int | None = None
@@ -149,12 +148,11 @@ class StepProtocol:
         """Call ``check(manager)`` at every vote, a step's or a sync's (torchft's own inside DiLoCo), in every rank
         of the group alike (it may broadcast inside the group). ``False`` votes not to commit, with the error it
         reported to the Manager; it may raise to stop the group. Where the job's last step is checked
-        (:mod:`lightning_ft.start.last_step`)."""
+        (:mod:`lightning_ft.start.last_step`). The check lives in the Manager's :class:`VoteInputs` client, which
+        every Manager lightning-ft builds has; a Manager built by hand without it is not checked."""
         client = manager_client(self.manager)
         if isinstance(client, VoteInputs):
             client.check_each_vote(lambda: check(self.manager))
-        else:  # a Manager built by hand: steps only
-            self._before_vote = lambda: check(self.manager)
 
     def begin_overlapped_sync(self) -> None:
         """A streaming DiLoCo sync's allreduce is in flight: its quorum stays open while the next inner steps, the
@@ -239,8 +237,6 @@ class StepProtocol:
         if buffers is not None:
             buffers.average()
         self._abort_failed_process_group()
-        if self._before_vote is not None:
-            self._before_vote()
         decision = self._vote()
         self._record(decision)
         if buffers is not None:  # after the vote, which may have healed this replica's buffers
