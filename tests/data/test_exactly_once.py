@@ -126,8 +126,7 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
         holds = [first.hold_from_step(group, max(first.committed_steps(group)) + 5) for group in (1, 2)]
         killed_at = time.time()
         os.kill(victim_pid, signal.SIGKILL)
-        for group in (1, 2):
-            first.wait_held_alone(group, since=killed_at, participants=2)
+        first.wait_held_together(dict(zip((1, 2), holds, strict=True)), since=killed_at)
         restarted = first.wait_for("torchrun to restart group 0", lambda: first.worker_pid(0, 0, attempt + 1))
         first.wait_for("group 0 to ask for its first quorum again", lambda: first.events("joining", pid=restarted))
         for hold in holds:

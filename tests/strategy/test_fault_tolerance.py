@@ -273,8 +273,7 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
     holds = [job.hold_from_step(group, max(job.committed_steps(2, 0, victim)) + 15) for group in (0, 1)]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
-    for group in (0, 1):
-        job.wait_held_alone(group, since=killed_at, participants=2)
+    job.wait_held_together(dict(zip((0, 1), holds, strict=True)), since=killed_at)
     sends = [job.root / f"pause.group{group}.heal_send" for group in (0, 1)]
     for gate in sends:
         gate.touch()

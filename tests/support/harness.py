@@ -176,15 +176,48 @@ class LaunchedJob:
         event alone races the request to the lighthouse (a group that was the previous quorum's only member forms the
         next quorum at once with whoever has asked by then)."""
         url = self.lighthouse_url()
+        self.wait_for(what, lambda: pending_quorum_requests(url) >= count)
 
-        def pending() -> bool:
-            try:
-                match = _PENDING_REQUESTS.search(read_status_page(url))
-            except StatusPageUnreadable:
-                return False
-            return match is not None and int(match.group(1)) >= count
+    def wait_held_together(self, holds: dict[int, Path], since: float, timeout: float = 120.0) -> int:
+        """Wait until every group of ``holds`` (:meth:`hold_from_step`) has committed after ``since`` and stopped at
+        its hold, all of them at one step; return that step.
 
-        self.wait_for(what, pending)
+        Groups held apart may not meet there on their own. A starved heartbeat (the local lighthouse's timeout is
+        1 s) lets one group form quorums alone for a step or two and reach its hold first; the other then waits at
+        the lighthouse for a peer that is held, until its quorum timeout ends it. So while the lighthouse holds a
+        request from a group that has not stopped, each stopped group goes on one step (and while all have stopped,
+        at different steps, the lowest does): their next quorum includes the waiting group, which heals from the
+        most advanced if it is behind, and they stop together after it."""
+        url = self.lighthouse_url()
+        released: dict[int, int] = {}  # group -> the step it was let go on from
+
+        def stopped_at(group: int) -> int | None:
+            paused = self.events("paused", pid=self.worker_pid(group, 0), phase="from_step")
+            paused = [e for e in paused if e["time"] > since and e["step"] > released.get(group, -1)]
+            return paused[-1]["step"] if paused else None
+
+        def release(group: int, step: int) -> None:
+            released[group] = step
+            partial = holds[group].with_suffix(".partial")
+            partial.write_text(str(step + 1))
+            partial.replace(holds[group])
+
+        def together() -> tuple[int] | None:
+            stopped = {group: step for group in holds if (step := stopped_at(group)) is not None}
+            if len(stopped) == len(holds) and len(set(stopped.values())) == 1:
+                committed = (self.events("step", group=group, committed=True) for group in holds)
+                if all(any(e["time"] > since for e in records) for records in committed):
+                    return (next(iter(stopped.values())),)
+            elif len(stopped) == len(holds):
+                lowest = min(stopped.values())
+                for group in [group for group, step in stopped.items() if step == lowest]:
+                    release(group, lowest)
+            elif stopped and pending_quorum_requests(url) >= 1:
+                for group, step in stopped.items():
+                    release(group, step)
+            return None
+
+        return self.wait_for(f"groups {sorted(holds)} to stop together at their holds", together, timeout)[0]
 
     def wait_held_alone(
         self, group: int, since: float, commits: int = 1, participants: int = 1, timeout: float = 120.0
@@ -249,6 +282,15 @@ class LaunchedJob:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
         self.log_file.close()
+
+
+def pending_quorum_requests(url: str) -> int:
+    """How many groups' requests the lighthouse at ``url`` holds for its next quorum (0 if its page is unreadable)."""
+    try:
+        match = _PENDING_REQUESTS.search(read_status_page(url))
+    except StatusPageUnreadable:
+        return 0
+    return int(match.group(1)) if match else 0
 
 
 def launch_job(
