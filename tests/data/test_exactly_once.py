@@ -123,7 +123,8 @@ def run_membership_changes(root: Path, data_mode: str) -> list[dict[str, Any]]:
         victim_pid = first.worker_pid(0, 0, attempt)
         # Held before the kill, a few steps on: the survivors commit without group 0, then wait (heartbeating) until
         # the restarted group 0 asks for a quorum, so that they cannot finish the job before it is back.
-        holds = [first.hold_from_step(group, max(first.committed_steps(group)) + 5) for group in (1, 2)]
+        hold_at = max(max(first.committed_steps(group)) for group in (1, 2)) + 5
+        holds = [first.hold_from_step(group, hold_at) for group in (1, 2)]
         killed_at = time.time()
         os.kill(victim_pid, signal.SIGKILL)
         first.wait_held_together(dict(zip((1, 2), holds, strict=True)), since=killed_at)

@@ -270,7 +270,8 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
     # a heal that a gate set before the kill would stop halfway.
     go = job.root / "go"
     go.unlink()
-    holds = [job.hold_from_step(group, max(job.committed_steps(2, 0, victim)) + 15) for group in (0, 1)]
+    hold_at = max(job.committed_steps(2, 0, victim)) + 15  # read once: the victim commits on meanwhile
+    holds = [job.hold_from_step(group, hold_at) for group in (0, 1)]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     job.wait_held_together(dict(zip((0, 1), holds, strict=True)), since=killed_at)

@@ -182,12 +182,13 @@ class LaunchedJob:
         """Wait until every group of ``holds`` (:meth:`hold_from_step`) has committed after ``since`` and stopped at
         its hold, all of them at one step; return that step.
 
-        Groups held apart may not meet there on their own. A starved heartbeat (the local lighthouse's timeout is
-        1 s) lets one group form quorums alone for a step or two and reach its hold first; the other then waits at
-        the lighthouse for a peer that is held, until its quorum timeout ends it. So while the lighthouse holds a
-        request from a group that has not stopped, each stopped group goes on one step (and while all have stopped,
-        at different steps, the lowest does): their next quorum includes the waiting group, which heals from the
-        most advanced if it is behind, and they stop together after it."""
+        Groups held apart may not meet there on their own: held from different steps (a hold computed from a step
+        count read once per group, while the job commits on), or one of them a step ahead (a starved heartbeat, the
+        local lighthouse's timeout being 1 s, lets it form a quorum alone), the first to stop leaves the other
+        waiting at the lighthouse for a peer that is held, until its quorum timeout ends it. So while the lighthouse
+        holds a request from a group that has not stopped, each stopped group goes on one step (and while all have
+        stopped, at different steps, the lowest does): their next quorum includes the waiting group, which heals
+        from the most advanced if it is behind, and they stop together after it."""
         url = self.lighthouse_url()
         released: dict[int, int] = {}  # group -> the step it was let go on from
 
