@@ -22,6 +22,8 @@ from harness import assert_bit_identical, assert_tree_equal, process_gone
 from test_fault_tolerance import GATES, start_together
 from test_one_job import held_at_start
 
+from lightning_ft_job.run_end import ENV_RUN_END_DIR
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 HSDP = ["--data-parallel=fsdp", "--fsdp-wrap=Linear", "--async-quorum=0"]
@@ -107,6 +109,33 @@ def test_a_group_whose_process_crashes_after_it_finished_is_restarted_into_the_e
     assert_bit_identical(states, replicas=2)
     for state in states.values():
         assert state["global_step"] == max_steps
+
+
+def test_a_new_run_in_the_folder_of_a_finished_run_is_a_new_job_and_trains(launch, tmp_path):
+    """Two launches of one job, one after the other, in one folder: one event log, one output folder and one folder
+    of run-end reports (``LIGHTNING_FT_RUN_END_DIR``, as a job on a shared filesystem sets it). The job is the run, not
+    the folder: the second launch is a new run, trains every step and writes its final states; none of its groups
+    takes the first run's reports for its own end. (Checked to fail with the reports read without the run id: the
+    second run's groups exit at once as "already finished".)"""
+    max_steps = 10
+    env = {ENV_RUN_END_DIR: str(tmp_path / "run_end")}
+    first = launch(groups=2, worker_args=[f"--max-steps={max_steps}"], env=env)
+    assert first.wait_exit(timeout=180) == 0, first.tail()
+    assert len(list((tmp_path / "run_end").iterdir())) == 2, "each group of the first run reports its end"
+    second_started = time.time()
+
+    second = launch(groups=2, worker_args=[f"--max-steps={max_steps}"], env=env, log_name="second.log")
+    assert second.root == first.root  # one event log for both runs: the second's records are the later ones
+    assert second.wait_exit(timeout=180) == 0, second.tail()
+    assert not [e for e in second.events("job_already_finished") if e["time"] > second_started], second.tail()
+    for group in (0, 1):
+        [pid] = [e["pid"] for e in second.events("started", group=group) if e["time"] > second_started]
+        assert sorted(second.committed_steps(group, pid=pid)) == list(range(1, max_steps + 1)), group
+    states = second.final_states()
+    assert all(path.stat().st_mtime > second_started for path in second.out_dir.glob("final.*.pt"))
+    assert_bit_identical(states, replicas=2)
+    for state in states.values():
+        assert state["global_step"] == state["manager_step"] == max_steps
 
 
 def test_every_group_down_at_once_without_checkpoints_never_starts_the_job_over(launch):
