@@ -22,8 +22,13 @@ Private name                               Why                                  
 ``Trainer._logger_connector``              whether this batch's metrics are logged      ``trainer.should_log``
 ``Trainer._checkpoint_connector``          wrap ``resume_start`` to choose the start    a resume hook on the strategy
                                            checkpoint (:mod:`lightning_ft.start`)
-``trainer.call._call_callbacks_state_dict``  the callbacks' state in a heal's payload,    public callback-state helpers
-``_call_callbacks_load_state_dict``        as a checkpoint holds it
+``_CheckpointConnector.dump_checkpoint``,  a heal is Lightning's checkpoint: built and  an in-memory save and restore
+``restore_model``, ``restore_datamodule``, restored by Lightning's own code, hooks      (``Trainer.dump_checkpoint``,
+``restore_callbacks``, ``restore_precision included, in memory (:mod:`lightning_ft.    ``Trainer.restore(checkpoint)``)
+_plugin_state``, ``restore_optimizers_and_ heal.state``)
+schedulers``, ``._loaded_checkpoint``
+``ModelPruning._make_pruning_permanent``   off while a heal builds its checkpoint: the  a ``make_pruning_permanent``
+                                           heal carries the masks the group trains with argument settable per save
 ``LightningModule._on_before_batch_transfer`` the user's batch hook, run where the       a public hook runner
                                            exactly-once batch is checked
 ``LightningModule._device_mesh``           FSDP2's group mesh, as ModelParallelStrategy a settable ``device_mesh``
@@ -40,6 +45,8 @@ The loop patches that replace Lightning methods are in :mod:`lightning_ft.loop_p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,12 +56,11 @@ from lightning.fabric.utilities.cloud_io import _load as load_file
 from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.fabric.utilities.types import _PATH as PathLike
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from lightning.pytorch.loops.fetchers import _DataFetcher as DataFetcher
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher as DataLoaderIterDataFetcher
 from lightning.pytorch.loops.progress import _BatchProgress as BatchProgress
 from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
-from lightning.pytorch.trainer import call as lightning_call
 
 __all__ = [
     "VERSION_COUNTER",
@@ -64,15 +70,16 @@ __all__ = [
     "PathLike",
     "atomic_save",
     "batches_that_stepped",
-    "callbacks_state_dict",
     "checkpoint_connector",
     "combined_loader",
     "data_fetcher",
+    "dump_checkpoint",
     "is_local_file_protocol",
     "layer_sync",
-    "load_callbacks_state_dict",
     "load_file",
     "optimizers_to_device",
+    "pruning_kept_as_trained",
+    "restore_from_checkpoint",
     "run_on_before_batch_transfer",
     "set_batches_that_stepped",
     "set_device_mesh",
@@ -118,14 +125,47 @@ def checkpoint_connector(trainer: pl.Trainer) -> Any:
     return trainer._checkpoint_connector
 
 
-def callbacks_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
-    """Every callback's state, keyed as a checkpoint keys it."""
-    state: dict[str, Any] = lightning_call._call_callbacks_state_dict(trainer)
-    return state
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The checkpoint ``Trainer.save_checkpoint`` would write now, in memory: every ``state_dict()`` and every
+    ``on_save_checkpoint`` hook (module, datamodule, callbacks, precision plugin), through Lightning's own code."""
+    checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return checkpoint
 
 
-def load_callbacks_state_dict(trainer: pl.Trainer, callbacks: dict[str, Any]) -> None:
-    lightning_call._call_callbacks_load_state_dict(trainer, {"callbacks": callbacks})
+@contextmanager
+def pruning_kept_as_trained(trainer: pl.Trainer) -> Iterator[None]:
+    """``ModelPruning`` makes pruning permanent in the checkpoint it writes (by default): the file holds the pruned
+    weights without their masks, an export. A heal needs the state as the group trains it, masks included, so that
+    export is off while the block runs."""
+    pruners = [
+        callback
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if isinstance(callback, ModelPruning) and callback._make_pruning_permanent
+    ]
+    for callback in pruners:
+        callback._make_pruning_permanent = False
+    try:
+        yield
+    finally:
+        for callback in pruners:
+            callback._make_pruning_permanent = True
+
+
+def restore_from_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Restore an in-memory checkpoint as ``Trainer.fit(ckpt_path=...)`` restores a file, in its order and with its
+    hooks: the datamodule, the module (``on_load_checkpoint``, then the weights), the callbacks (``on_load_checkpoint``,
+    then ``load_state_dict``), the precision plugin, the optimizers and LR schedulers. Not the loops: Lightning
+    restores those for a restart (it marks them as restarting), and a heal lands between two batches."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    try:
+        connector.restore_datamodule()
+        connector.restore_model()
+        connector.restore_callbacks()
+        connector.restore_precision_plugin_state()
+        connector.restore_optimizers_and_schedulers()
+    finally:
+        connector._loaded_checkpoint = {}
 
 
 def run_on_before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx: int) -> Any:

@@ -46,6 +46,7 @@ from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
 from lightning_ft.errors import NotAvailableError
 from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
+from lightning_ft.heal.checkpoint_mode import HealCheckpointMode
 from lightning_ft.heal.state import state_fingerprint
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
@@ -224,6 +225,9 @@ class FTStrategy(DDPStrategy):
         self.data_parallel = configuration.data_parallel
         self.data_mode = configuration.data_mode
         self._in_group: GroupParallelism = group_parallelism(self.data_parallel, self._fsdp_cross_group_hook)
+        # Open while a heal builds or restores Lightning's checkpoint: the checkpoint methods then serve this
+        # process's own state (lightning_ft.heal.state).
+        self.heal_mode = HealCheckpointMode()
         self._handle: ManagerHandle | None = None
         self._protocol: StepProtocol | None = None
         self._step: StepOwner | None = None
@@ -556,21 +560,39 @@ class FTStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state for a checkpoint (with FSDP, the full state, gathered for group rank 0)."""
+        """The model's state for a checkpoint (with FSDP, the full state, gathered for group rank 0); for a heal
+        (:attr:`heal_mode` open), this process's own state."""
+        if self.heal_mode.is_open:
+            return self.heal_mode.model_state(self._lightning_module_or_raise())
         return self._in_group.lightning_module_state_dict(self)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """An optimizer's state for a checkpoint (with FSDP, the full state keyed by parameter name)."""
+        """An optimizer's state for a checkpoint (with FSDP, the full state keyed by parameter name); for a heal,
+        this process's own."""
+        if self.heal_mode.is_open:
+            return self.heal_mode.optimizer_state(optimizer)
         return self._in_group.optimizer_state(self, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.heal_mode.is_open:
+            self.heal_mode.load_model_state(self._lightning_module_or_raise(), checkpoint, strict)
+            return
         self._in_group.load_model_state_dict(self, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.heal_mode.is_open:
+            self.heal_mode.load_optimizer_states(self.optimizers, checkpoint)
+            return
         self._in_group.load_optimizer_state_dict(self, checkpoint)
+
+    def _lightning_module_or_raise(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
+        return module
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -21,6 +21,7 @@ from lightning_ft.data.position import (
     resume_fetcher,
     supports_repositioning,
 )
+from lightning_ft.heal.checkpoint_mode import healing
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
 
@@ -98,7 +99,10 @@ class DataPositionCallback(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._resume = ResumePlan.from_checkpoint(checkpoint)
+        """A resume's plan. Not a heal's: a heal moves this group to its peer's position in its own shard, under its
+        own key (the peer's checkpoint tells where the peer is in *its* shard)."""
+        if not healing(trainer):
+            self._resume = ResumePlan.from_checkpoint(checkpoint)
 
     def _after_epoch_start(self, trainer: pl.Trainer, fetcher: lightning.DataFetcher) -> None:
         plan, self._resume = self._resume, None

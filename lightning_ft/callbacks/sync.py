@@ -22,6 +22,7 @@ from lightning_ft.algorithms.local_sgd import local_sgd_sync
 from lightning_ft.algorithms.schedule import SyncSchedule
 from lightning_ft.callbacks._access import ft_algorithm, ft_collectives, ft_manager, ft_step_protocol
 from lightning_ft.errors import LightningFTError, StrategyRequiredError
+from lightning_ft.heal.checkpoint_mode import healing
 from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
 from lightning_ft.settings import FTConfigError
 from lightning_ft.start.last_step import deferred_last_step
@@ -134,14 +135,13 @@ class SyncCallback(Callback):
         (what a checkpoint holds beside the model, and what a heal carries); ``None`` otherwise."""
         return self._diloco.state_dict() if self._diloco is not None else None
 
-    # DiLoCo's global parameters and outer optimizer state go into checkpoints through the checkpoint hooks, not
-    # state_dict(): callback state is also part of every heal payload, which carries them already (torchft's own
-    # fragment entries).
+    # DiLoCo's global parameters and outer optimizer state go into checkpoint files through the checkpoint hooks,
+    # not into a heal: torchft's own fragment entries carry them there.
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self._diloco is not None:
+        if self._diloco is not None and not healing(trainer):
             checkpoint[DILOCO_CHECKPOINT_KEY] = self._diloco.state_dict()
 
     @override
@@ -149,7 +149,8 @@ class SyncCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Runs before ``on_train_start`` builds the fragments: keep the state until then."""
-        self._restored_diloco = checkpoint.get(DILOCO_CHECKPOINT_KEY)
+        if not healing(trainer):
+            self._restored_diloco = checkpoint.get(DILOCO_CHECKPOINT_KEY)
 
     # ------------------------------------------------------------------ one sync: open, (prepare), finish
     def _open(self, trainer: pl.Trainer, reason: str) -> None:

@@ -1,73 +1,96 @@
-"""What "the training state" of a Lightning job is, for live transfer between replica groups.
+"""What "the training state" of a Lightning job is, for live transfer between replica groups: Lightning's checkpoint.
 
-A healing group must leave the heal indistinguishable from its peer. That is more than the weights: every optimizer,
-every LR scheduler, the precision plugin (GradScaler), the loop counters that Lightning derives decisions from, and
-the callbacks' state (``ModelCheckpoint``'s last and best paths, ``EarlyStopping``'s patience), exactly what
-Lightning itself would restore from a checkpoint. Callback state must therefore be plain data (tensors, numbers,
-strings, containers): it arrives through torch's ``weights_only=True`` unpickler (see
-:mod:`lightning_ft.manager`).
+A healing group must leave the heal indistinguishable from its peer. Lightning already defines what that takes: the
+dict that ``Trainer.save_checkpoint`` writes. The model, every optimizer and LR scheduler, the precision plugin
+(GradScaler), the loops' progress, every callback's ``state_dict()``, and whatever the module, the datamodule and the
+callbacks add in their ``on_save_checkpoint`` hooks and read back in ``on_load_checkpoint`` (``WeightAveraging``'s
+averaged model, a module's own counters). So a heal *is* that checkpoint, built by Lightning's own code on the
+sender and restored by Lightning's own code, in its order and with its hooks, on the healer, in memory
+(:func:`~lightning_ft.lightning_internals.dump_checkpoint`, :func:`~lightning_ft.lightning_internals.
+restore_from_checkpoint`). The strategy's part of it, the model's and the optimizers' state, is this process's own
+while a heal runs (:mod:`lightning_ft.heal.checkpoint_mode`): with FSDP, this rank's shards.
+
+What of the checkpoint each group keeps its own is listed once, with the reason, in :data:`NOT_CARRIED` and
+:data:`APPLIED_OWN_WAY`. Everything a heal carries arrives through torch's ``weights_only=True`` unpickler (see
+:mod:`lightning_ft.manager`), so what callbacks and hooks put in the checkpoint must be plain data (tensors, numbers,
+strings, containers), as for a checkpoint file loaded with ``weights_only=True``.
+
 The committed step itself travels in torchft's own part of the payload (``Manager.state_dict()``), and Lightning's
-step counters are derived from it (:func:`align_step_counters`), so they are not duplicated here.
-
-With FSDP (``data_parallel="fsdp"``) the model and optimizer entries are this rank's shards: DTensors travel as
-their local tensors and are wrapped back on arrival (:mod:`lightning_ft.hsdp.shards`).
-
-The data position travels beside this state, under its own key: each group reads its own shard, so what a healing
-group takes from its peer is the *loop position* (epoch and batch counters), and it then moves its iterator to that
-position in its own shard (:class:`~lightning_ft.callbacks.DataPositionCallback`). Every group thus stays at the same
-batch index, which validation, epoch ends and cross-group metrics depend on.
+step counters are derived from it (:func:`align_step_counters`). The data position travels beside this state, under
+its own key: each group reads its own shard, so what a healing group takes from its peer is the *loop position*
+(epoch and batch counters), and it then moves its iterator to that position in its own shard
+(:class:`~lightning_ft.callbacks.DataPositionCallback`). Every group thus stays at the same batch index, which
+validation, epoch ends and cross-group metrics depend on.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_ft import lightning_internals as lightning
-from lightning_ft.errors import LightningFTError
+from lightning_ft.errors import LightningFTError, NotAvailableError
+from lightning_ft.heal.checkpoint_mode import HealCheckpointMode
 from lightning_ft.hsdp.full_state import full_model_state, full_optimizer_state
 from lightning_ft.hsdp.shards import (
     IncompatibleShardError,
     holds_shards,
     model_from_local_shards,
     optimizer_from_local_shards,
-    to_local_shards,
 )
 
 STATE_KEY = "lightning"
+
+#: The keys of Lightning's checkpoint that a heal leaves out, and why.
+NOT_CARRIED: Mapping[str, str] = {
+    "hyper_parameters": "the module's constructor arguments: each group's own code passed them, and they need not be "
+    "plain data",
+    "hparams_name": "names the module's hyper_parameters",
+    "hparams_type": "the type of the module's hyper_parameters",
+    "datamodule_hyper_parameters": "the datamodule's constructor arguments, as the module's",
+}
+
+#: The keys a heal carries but each group applies its own way, and why.
+APPLIED_OWN_WAY: Mapping[str, str] = {
+    "epoch": "follows the loops' epoch progress, which the heal loads",
+    "global_step": "follows the Manager's committed step (semi-synchronously, the sync state's step counters)",
+    "loops": "only the fit loop's epoch progress travels and is loaded: the batch position is each group's own place "
+    "in its own shard (DataPositionCallback moves it), and Lightning's loop restore is for a restart",
+}
 
 
 class IncompatibleReplicaError(LightningFTError, RuntimeError):
     """A peer's training state does not fit this replica (other model, other optimizers). Never loaded silently."""
 
 
+def heal_mode(trainer: pl.Trainer) -> HealCheckpointMode:
+    """The strategy's :class:`HealCheckpointMode`: a heal needs FTStrategy."""
+    mode = getattr(trainer.strategy, "heal_mode", None)
+    if not isinstance(mode, HealCheckpointMode):
+        raise NotAvailableError(
+            f"a live heal needs Trainer(strategy=FTStrategy()), not {type(trainer.strategy).__name__}."
+        )
+    return mode
+
+
 def capture_training_state(trainer: pl.Trainer, committed_buffers: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The state a peer needs to continue exactly where this replica is. Tensors are shared, not copied.
+    """Lightning's checkpoint of this replica, as a peer needs it to continue exactly where this replica is. Tensors
+    are shared, not copied.
 
     Sharing is safe: torchft serves the staged state only until ``should_commit()``, which waits for every reader
     before the optimizer is allowed to step. Buffers are another matter: the forward pass changes them while the
     state is sent, so ``committed_buffers`` (:meth:`~lightning_ft.step.buffers.ModelBuffers.committed_state`) replace
     the live ones that the model's state holds.
     """
-    model = trainer.lightning_module.state_dict()
-    for name, tensor in (committed_buffers or {}).items():
-        if name in model:  # persistent buffers only: the others are not part of the state
-            model[name] = tensor
-    state = {
-        "model": model,
-        "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
-        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "precision": trainer.precision_plugin.state_dict(),
-        "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
-        "callbacks": lightning.callbacks_state_dict(trainer),
-    }
-    if holds_shards(trainer):
-        state["model"] = to_local_shards(state["model"])
-        state["optimizers"] = to_local_shards(state["optimizers"])
-    return state
+    with heal_mode(trainer).open(holds_shards(trainer), committed_buffers), lightning.pruning_kept_as_trained(trainer):
+        checkpoint = lightning.dump_checkpoint(trainer)
+    carried = {key: value for key, value in checkpoint.items() if key not in NOT_CARRIED}
+    carried["loops"] = {"fit_loop": {"epoch_progress": trainer.fit_loop.epoch_progress.state_dict()}}
+    return carried
 
 
 def check_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, Any]:
@@ -85,22 +108,14 @@ def check_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str
 
 
 def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
-    """Load a peer's state into this replica, refusing anything that does not match its structure."""
+    """Restore a peer's checkpoint into this replica as Lightning restores one, refusing anything that does not
+    match its structure before anything loads."""
     state = check_training_state(trainer, state)
-    module = trainer.lightning_module
-    try:
-        module.load_state_dict(state["model"], strict=True)
-    except RuntimeError as error:
-        raise IncompatibleReplicaError(f"the peer's model does not match this replica's model: {error}") from error
-    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(optimizer_state)
-    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
-        config.scheduler.load_state_dict(scheduler_state)
     scale_before = _loss_scale(trainer)
-    trainer.precision_plugin.load_state_dict(state["precision"])
+    with heal_mode(trainer).open(holds_shards(trainer)):
+        lightning.restore_from_checkpoint(trainer, state)
     _rescale_unscaled_gradients(trainer, scale_before, _loss_scale(trainer))
-    trainer.fit_loop.epoch_progress.load_state_dict(state["epoch_progress"])
-    lightning.load_callbacks_state_dict(trainer, state["callbacks"])
+    trainer.fit_loop.epoch_progress.load_state_dict(state["loops"]["fit_loop"]["epoch_progress"])
 
 
 def _loss_scale(trainer: pl.Trainer) -> float | None:
@@ -132,15 +147,15 @@ def _rescale_unscaled_gradients(trainer: pl.Trainer, before: float | None, after
 
 
 def _from_local_shards(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, Any]:
-    if len(state["optimizers"]) != len(trainer.optimizers):
+    if len(state["optimizer_states"]) != len(trainer.optimizers):
         _check_compatible(trainer, state)  # raises, naming the counts
     try:
         return {
             **state,
-            "model": model_from_local_shards(state["model"], trainer.lightning_module.state_dict()),
-            "optimizers": [
+            "state_dict": model_from_local_shards(state["state_dict"], trainer.lightning_module.state_dict()),
+            "optimizer_states": [
                 optimizer_from_local_shards(optimizer_state, optimizer)
-                for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"], strict=True)
+                for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizer_states"], strict=True)
             ],
         }
     except IncompatibleShardError as error:
@@ -148,13 +163,16 @@ def _from_local_shards(trainer: pl.Trainer, state: dict[str, Any]) -> dict[str, 
 
 
 def _check_compatible(trainer: pl.Trainer, state: dict[str, Any]) -> None:
-    for key, mine in (("optimizers", trainer.optimizers), ("lr_schedulers", trainer.lr_scheduler_configs)):
+    for key, name, mine in (
+        ("optimizer_states", "optimizers", trainer.optimizers),
+        ("lr_schedulers", "lr_schedulers", trainer.lr_scheduler_configs),
+    ):
         if len(state[key]) != len(mine):
             raise IncompatibleReplicaError(
-                f"the peer has {len(state[key])} {key} but this replica has {len(mine)}: every replica group must run "
-                f"the same LightningModule and configure_optimizers()."
+                f"the peer has {len(state[key])} {name} but this replica has {len(mine)}: every replica group must "
+                f"run the same LightningModule and configure_optimizers()."
             )
-    peer_model: dict[str, torch.Tensor] = state["model"]
+    peer_model: dict[str, torch.Tensor] = state["state_dict"]
     own_model = trainer.lightning_module.state_dict()
     missing = [name for name in own_model if name not in peer_model]
     unexpected = [name for name in peer_model if name not in own_model]

@@ -172,8 +172,8 @@ def transfer(payload: dict[str, Any]) -> Any:
 def test_the_heal_payload_arrives_through_a_weights_only_load(written):
     received = transfer(written.payload)
     assert received["torchft"] == {"step": 3, "batches_committed": 3}
-    model = received["user"]["lightning"]["model"]
-    for name, tensor in written.payload["user"]["lightning"]["model"].items():
+    model = received["user"]["lightning"]["state_dict"]
+    for name, tensor in written.payload["user"]["lightning"]["state_dict"].items():
         assert torch.equal(model[name], tensor), name
 
 

@@ -270,9 +270,9 @@ def test_heal_payload_carries_local_shards_not_dtensors(fitted):
             return [leaf for value in tree for leaf in leaves(value)]
         return [tree]
 
-    found = leaves(state["model"]) + leaves(state["optimizers"])
+    found = leaves(state["state_dict"]) + leaves(state["optimizer_states"])
     assert not any(isinstance(leaf, DTensor) for leaf in found)
-    shard = state["model"]["head.weight"]
+    shard = state["state_dict"]["head.weight"]
     assert shard[SHARD_KEY].shape == (1, 16) and shard["global_shape"] == [1, 16]
 
 
@@ -292,9 +292,9 @@ def test_heal_round_trip_keeps_the_full_state_bit_identical(fitted):
 
 def test_a_shard_of_another_size_is_refused(fitted):
     state = capture_training_state(fitted)
-    shard = dict(state["model"]["blocks.0.0.weight"])
+    shard = dict(state["state_dict"]["blocks.0.0.weight"])
     shard[SHARD_KEY] = shard[SHARD_KEY][:8]  # what a rank of a group with two processes holds
-    state["model"] = {**state["model"], "blocks.0.0.weight": shard}
+    state["state_dict"] = {**state["state_dict"], "blocks.0.0.weight": shard}
     with pytest.raises(IncompatibleReplicaError, match="same number of processes"):
         apply_training_state(fitted, state)
 

@@ -198,7 +198,7 @@ def test_gradscaler_skipped_step_still_takes_exactly_one_vote_and_scaler_state_t
     assert run.global_step == 5
     assert plugin.scaler.get_scale() < 65536.0  # the overflow backed the scale off
     sent = capture_training_state(run)
-    assert sent["precision"]["scale"] == plugin.scaler.get_scale()
+    assert sent["MixedPrecision"]["scale"] == plugin.scaler.get_scale()
 
     # A healing replica loads it: its own scaler, in another state, takes the sender's scale and growth tracker.
     healer_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
@@ -314,7 +314,7 @@ class CaptureHealPayload(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if trainer.fit_loop.epoch_loop.batch_idx == 2:
             payload = trainer.strategy.manager._manager_state_dict()  # what torchft's send_checkpoint serves
-            self.sent = {name: payload["user"]["lightning"]["model"][name].clone() for name in self.at_batch_start}
+            self.sent = {name: payload["user"]["lightning"]["state_dict"][name].clone() for name in self.at_batch_start}
 
 
 def test_a_healing_peer_is_sent_the_committed_buffers_not_those_the_forward_pass_is_changing():

@@ -115,6 +115,30 @@ class IteratorRegressor(Regressor):
         return super().training_step(batch, batch_idx)
 
 
+class WarmupRegressor(Regressor):
+    """A module that keeps its own training state through Lightning's checkpoint hooks, as many LLM recipes keep their
+    iteration count: it counts the batches it trained and warms its loss up from that count. Not in ``state_dict()``:
+    only ``on_save_checkpoint`` / ``on_load_checkpoint`` carry it."""
+
+    WARMUP_BATCHES = 16
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.batches_seen = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * min(1.0, (self.batches_seen + 1) / self.WARMUP_BATCHES)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches_seen += 1
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["batches_seen"] = self.batches_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.batches_seen = checkpoint["batches_seen"]
+
+
 def dataset(size: int = 8192) -> TensorDataset:
     generator = torch.Generator().manual_seed(1234)
     x = torch.randn(size, 16, generator=generator)
@@ -497,9 +521,24 @@ class SaveFinalState(pl.Callback):
             "best_model_path": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
             # DiLoCo's global parameters and outer optimizer state, which a heal must carry too
             "outer_state": next((cb.outer_state for cb in trainer.callbacks if isinstance(cb, SyncCallback)), None),
+            # What the module and the callbacks keep through checkpoint hooks (a WeightAveraging's averaged model)
+            "hook_state": hook_state(trainer, pl_module),
         }
         name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
         torch.save(state, self.out_dir / name)
+
+
+def hook_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What ``on_save_checkpoint`` adds to a checkpoint (module, then callbacks), minus the model's own state."""
+    checkpoint: dict[str, Any] = {"state_dict": dict(pl_module.state_dict())}
+    pl_module.on_save_checkpoint(checkpoint)
+    for callback in trainer.callbacks:
+        callback.on_save_checkpoint(trainer, pl_module, checkpoint)
+    if "current_model_state" in checkpoint:  # WeightAveraging: "state_dict" now holds the averaged model
+        del checkpoint["current_model_state"]
+    else:
+        del checkpoint["state_dict"]
+    return checkpoint
 
 
 def precision_plugin(precision: str) -> Any:
@@ -603,6 +642,10 @@ def main() -> None:
     )
     parser.add_argument("--batch-sleep", type=float, default=0.0, help="sleep this long at each batch's start")
     parser.add_argument(
+        "--weight-averaging", choices=["ema", "equal"], default=None, help="Lightning's EMA or equal WeightAveraging"
+    )
+    parser.add_argument("--hook-counter", action="store_true", help="a module that counts batches in checkpoint hooks")
+    parser.add_argument(
         "--crash-after-fit",
         type=int,
         default=None,
@@ -628,6 +671,10 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.monitor_dir, monitor="val_loss", save_top_k=1))
     if args.consistency_every is not None:
         callbacks.append(ReplicaConsistencyCheck(every_n_steps=args.consistency_every))
+    if args.weight_averaging == "ema":
+        callbacks.append(pl.callbacks.EMAWeightAveraging(decay=0.9))
+    elif args.weight_averaging == "equal":
+        callbacks.append(pl.callbacks.WeightAveraging())
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.batch_sleep:
@@ -711,7 +758,7 @@ def main() -> None:
     if args.hidden_for_group is not None:
         odd_group, width = (int(part) for part in args.hidden_for_group.split(":"))
         hidden = width if group == odd_group else hidden
-    model = (IteratorRegressor if args.iterator_step else Regressor)(
+    model = (IteratorRegressor if args.iterator_step else WarmupRegressor if args.hook_counter else Regressor)(
         lr=args.lr,
         manual=args.manual,
         sync_train_log=args.sync_train_log,

@@ -1,0 +1,76 @@
+"""What the strategy's checkpoint methods hand over while a heal builds or restores Lightning's checkpoint.
+
+A heal is Lightning's checkpoint, built and restored by Lightning's own code (:mod:`lightning_ft.heal.state`). That
+code asks the strategy for the model's and each optimizer's state, and hands them back to it. For a checkpoint file
+FTStrategy gives the group's full state (with FSDP, gathered for group rank 0, a collective inside the group). A heal
+needs another answer: the sender's rank r serves the healer's rank r, on one process, so it must hand this process's
+own state, with no collective, and the buffers as the group last committed them (the forward pass may be changing
+the live ones while the state is sent, :mod:`lightning_ft.step.buffers`). While a :class:`HealCheckpointMode` is
+open, FTStrategy's four checkpoint methods give and take exactly that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.optim import Optimizer
+
+from lightning_ft.hsdp.shards import to_local_shards
+
+
+class HealCheckpointMode:
+    """Open (:meth:`open`) while a heal builds or restores Lightning's checkpoint, on the training thread."""
+
+    def __init__(self) -> None:
+        self._open = False
+        self._sharded = False
+        self._committed_buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @contextmanager
+    def open(self, sharded: bool, committed_buffers: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
+        """Serve this replica's own state until the block ends. ``sharded``: each rank holds a shard of the model
+        (FSDP), which then travels as its local tensors; ``committed_buffers`` replace the live buffers."""
+        self._open, self._sharded, self._committed_buffers = True, sharded, dict(committed_buffers or {})
+        try:
+            yield
+        finally:
+            self._open, self._sharded, self._committed_buffers = False, False, {}
+
+    def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The module's state as this process holds it (shared tensors, no copies), its buffers as committed."""
+        state = module.state_dict()
+        for name, tensor in self._committed_buffers.items():
+            if name in state:  # persistent buffers only: the others are not part of the state
+                state[name] = tensor
+        return to_local_shards(state) if self._sharded else state
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's own ``state_dict()`` (with FSDP, of this rank's shards)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        state = optimizer.state_dict()
+        return to_local_shards(state) if self._sharded else state
+
+    @staticmethod
+    def load_model_state(module: torch.nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """Load a received model state, already checked and (with FSDP) wrapped back as this rank's shards."""
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @staticmethod
+    def load_optimizer_states(optimizers: list[Optimizer], checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(state)
+
+
+def healing(trainer: pl.Trainer) -> bool:
+    """Whether a heal is building or restoring the checkpoint right now: the checkpoint hooks of lightning-ft's own
+    callbacks that keep per-group state, or state torchft's part of the payload carries, stand aside then."""
+    mode = getattr(trainer.strategy, "heal_mode", None)
+    return isinstance(mode, HealCheckpointMode) and mode.is_open
