@@ -136,7 +136,8 @@ def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
 def pruning_kept_as_trained(trainer: pl.Trainer) -> Iterator[None]:
     """``ModelPruning`` makes pruning permanent in the checkpoint it writes (by default): the file holds the pruned
     weights without their masks, an export. A heal needs the state as the group trains it, masks included, so that
-    export is off while the block runs."""
+    export is off while the block runs. (The sender builds a heal's checkpoint while its training thread computes
+    the step or waits for the quorum, never while it saves a checkpoint file: those saves come after the vote.)"""
     pruners = [
         callback
         for callback in trainer.callbacks  # type: ignore[attr-defined]

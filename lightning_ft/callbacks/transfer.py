@@ -29,11 +29,13 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 class StateTransferCallback(Callback):
     """Registers the whole training state with the torchft Manager for healing.
 
-    The Manager calls :func:`~lightning_ft.heal.state.capture_training_state` on a live peer and
-    :func:`~lightning_ft.heal.state.apply_training_state` on the healing replica, on the training thread, at a safe
-    point (the quorum with synchronous quorum, the commit vote with asynchronous quorum). After a heal the replica's
-    step counters jump to the peer's committed step. A state that does not fit this replica is refused as soon as it
-    arrives, before this replica's first cross-group collective (see :class:`~lightning_ft.manager.FTManager`).
+    The Manager calls :func:`~lightning_ft.heal.state.capture_training_state` on a live peer, on its quorum thread
+    (with asynchronous quorum, while the peer's training thread computes the step; with synchronous quorum, while it
+    waits for the quorum), and :func:`~lightning_ft.heal.state.apply_training_state` on the healing replica, on the
+    training thread, at a safe point (the quorum with synchronous quorum, the commit vote with asynchronous quorum).
+    After a heal the replica's step counters jump to the peer's committed step. A state that does not fit this
+    replica is refused as soon as it arrives, before this replica's first cross-group collective (see
+    :class:`~lightning_ft.manager.FTManager`).
 
     The model's buffers travel as the sender last committed them (:mod:`lightning_ft.step.buffers`).
 

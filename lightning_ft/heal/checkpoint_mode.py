@@ -11,6 +11,7 @@ open, FTStrategy's four checkpoint methods give and take exactly that.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,26 +24,38 @@ from lightning_ft.hsdp.shards import to_local_shards
 
 
 class HealCheckpointMode:
-    """Open (:meth:`open`) while a heal builds or restores Lightning's checkpoint, on the training thread."""
+    """Open (:meth:`open`) while a heal builds or restores Lightning's checkpoint, for the thread that opened it.
+
+    Per thread, because the sender builds its checkpoint on torchft's quorum thread (with asynchronous quorum, while
+    the training thread computes the step): a checkpoint file that the training thread saved meanwhile must still get
+    the group's full state, and lightning-ft's own checkpoint hooks must still write theirs."""
 
     def __init__(self) -> None:
-        self._open = False
-        self._sharded = False
-        self._committed_buffers: dict[str, torch.Tensor] = {}
+        self._thread = threading.local()
 
     @property
     def is_open(self) -> bool:
-        return self._open
+        return bool(getattr(self._thread, "open", False))
 
     @contextmanager
     def open(self, sharded: bool, committed_buffers: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
         """Serve this replica's own state until the block ends. ``sharded``: each rank holds a shard of the model
         (FSDP), which then travels as its local tensors; ``committed_buffers`` replace the live buffers."""
-        self._open, self._sharded, self._committed_buffers = True, sharded, dict(committed_buffers or {})
+        state = self._thread
+        state.open, state.sharded, state.committed_buffers = True, sharded, dict(committed_buffers or {})
         try:
             yield
         finally:
-            self._open, self._sharded, self._committed_buffers = False, False, {}
+            state.open, state.sharded, state.committed_buffers = False, False, {}
+
+    @property
+    def _sharded(self) -> bool:
+        return bool(getattr(self._thread, "sharded", False))
+
+    @property
+    def _committed_buffers(self) -> dict[str, torch.Tensor]:
+        buffers: dict[str, torch.Tensor] = getattr(self._thread, "committed_buffers", {})
+        return buffers
 
     def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
         """The module's state as this process holds it (shared tensors, no copies), its buffers as committed."""
