@@ -89,6 +89,8 @@ def capture_training_state(trainer: pl.Trainer, committed_buffers: dict[str, Any
     with heal_mode(trainer).open(holds_shards(trainer), committed_buffers), lightning.pruning_kept_as_trained(trainer):
         checkpoint = lightning.dump_checkpoint(trainer)
     carried = {key: value for key, value in checkpoint.items() if key not in NOT_CARRIED}
+    # Lightning's dump read the loops' whole state (a stateful loader's state_dict() included, a read); a heal keeps
+    # the epoch progress only (APPLIED_OWN_WAY).
     carried["loops"] = {"fit_loop": {"epoch_progress": trainer.fit_loop.epoch_progress.state_dict()}}
     return carried
 
