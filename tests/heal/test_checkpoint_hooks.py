@@ -40,7 +40,7 @@ def test_the_lightning_callbacks_that_keep_state_through_checkpoint_hooks_are_th
     [
         pytest.param(["--weight-averaging=ema"], 1, id="ema-weight-averaging-group-1-killed"),
         pytest.param(["--weight-averaging=equal"], 0, id="weight-averaging-group-0-killed", marks=pytest.mark.paths),
-        pytest.param(["--hook-counter"], 0, id="module-counter-group-0-killed"),
+        pytest.param(["--hook-counter"], 0, id="module-counter-group-0-killed", marks=pytest.mark.paths),
     ],
 )
 def test_state_kept_through_checkpoint_hooks_heals_with_the_group(launch, hook_args, victim):
