@@ -2,8 +2,9 @@
 
 One heal, in order (``docs/architecture.md`` draws it):
 
-* :mod:`.state`: what "the training state" is (model, optimizers, schedulers, GradScaler, callbacks' state, loop
-  counters), captured on the live peer and applied on the healing group;
+* :mod:`.state`: what "the training state" is, Lightning's checkpoint (model, optimizers, schedulers, GradScaler,
+  callbacks' state and whatever checkpoint hooks keep), built on the live peer and restored on the healing group;
+  :mod:`.checkpoint_mode`: the strategy's part of it while a heal runs;
 * :class:`~lightning_ft.callbacks.StateTransferCallback` registers that state with the Manager;
   :class:`~lightning_ft.callbacks.DataPositionCallback` adds the loop position, which the healing group applies to its
   own shard;
