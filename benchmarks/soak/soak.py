@@ -12,7 +12,8 @@ already over is not counted.
 
 Figures per job: kills carried out, committed steps (the Manager step the final states hold), the longest time a live
 process waited between two of its commits (the survivors' longest wait), and the verdict. A failed job's folder is
-kept (its path is in the results file). Each run writes a new file,
+kept (its path is in the results file), and so is the folder of a job whose longest wait exceeds ``--keep-waits-over``
+seconds (30 by default), to read why in its event log. Each run writes a new file,
 ``benchmarks/results/soak/<UTC>_<commit>[_<label>].json``. Usage::
 
     python -m benchmarks.soak.soak --kills 1000                  # about an hour and a half on 2 cores
@@ -79,8 +80,10 @@ def longest_wait(job: LaunchedJob) -> float:
     return round(max(gaps, default=0.0), 3)
 
 
-def soak_job(root: Path, schedule: FaultSchedule) -> dict[str, Any]:
-    """Run one schedule on a real job and check its invariants; the job's figures and verdict."""
+def soak_job(root: Path, schedule: FaultSchedule, keep_waits_over_s: float = 30.0) -> dict[str, Any]:
+    """Run one schedule on a real job and check its invariants; the job's figures and verdict. The job's folder is
+    kept when it failed, or when a live process waited more than ``keep_waits_over_s`` between two commits (to read
+    why in its event log)."""
     job = launch_job(
         root,
         groups=schedule.groups,
@@ -118,7 +121,7 @@ def soak_job(root: Path, schedule: FaultSchedule) -> dict[str, Any]:
         "failure": failure,
         "said": said,
     }
-    if failure is not None:
+    if failure is not None or record["longest_wait_s"] > keep_waits_over_s:
         kept = FAILED_JOBS / f"{root.parent.name}-{root.name}"
         shutil.copytree(root, kept, dirs_exist_ok=True)
         record["kept"] = str(kept)
@@ -141,9 +144,10 @@ def run(args: argparse.Namespace, scratch: Path, out: Path) -> list[dict[str, An
             break
         kills = min(args.kills_per_job, args.kills - carried)
         schedule = draw(rng, args.seed * 100_000 + number, path, args.groups, kills, args.spacing)
-        record = soak_job(scratch / f"job{number}", schedule)
+        record = soak_job(scratch / f"job{number}", schedule, args.keep_waits_over)
         records.append(record)
-        verdict = "ok" if record["ok"] else f"FAILED (kept in {record['kept']})"
+        verdict = "ok" if record["ok"] else "FAILED"
+        verdict += f" (kept in {record['kept']})" if "kept" in record else ""
         print(
             f"job {number} ({path}): {record['kills']} kills, {record['committed_steps']} committed steps, "
             f"longest wait {record['longest_wait_s']} s, {record['seconds']} s: {verdict}; "
@@ -194,6 +198,12 @@ def main() -> None:
         "--paths", nargs="+", choices=sorted(FAULT_SCHEDULE_PATHS), default=sorted(FAULT_SCHEDULE_PATHS)
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep-waits-over",
+        type=float,
+        default=30.0,
+        help="keep the folder of a job whose longest wait exceeds this many seconds (a failed job's is always kept)",
+    )
     parser.add_argument("--out", type=Path, help="a new file (default: results/soak/<UTC>_<commit>.json)")
     parser.add_argument("--label", help="appended to the default file name: <UTC>_<commit>_<label>.json")
     parser.add_argument("--report", type=Path, nargs="+", help="print the table of these kept results, run nothing")
