@@ -563,7 +563,7 @@ class FTStrategy(DDPStrategy):
         """The model's state for a checkpoint (with FSDP, the full state, gathered for group rank 0); for a heal
         (:attr:`heal_mode` open), this process's own state."""
         if self.heal_mode.is_open:
-            return self.heal_mode.model_state(self._lightning_module_or_raise())
+            return self.heal_mode.model_state(DDPStrategy.lightning_module_state_dict(self))
         return self._in_group.lightning_module_state_dict(self)
 
     @override
@@ -571,28 +571,23 @@ class FTStrategy(DDPStrategy):
         """An optimizer's state for a checkpoint (with FSDP, the full state keyed by parameter name); for a heal,
         this process's own."""
         if self.heal_mode.is_open:
-            return self.heal_mode.optimizer_state(optimizer)
+            return self.heal_mode.optimizer_state(DDPStrategy.optimizer_state(self, optimizer))
         return self._in_group.optimizer_state(self, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """For a heal, this process's own state (with FSDP, the shards already wrapped back by the heal's check)."""
         if self.heal_mode.is_open:
-            self.heal_mode.load_model_state(self._lightning_module_or_raise(), checkpoint, strict)
-            return
-        self._in_group.load_model_state_dict(self, checkpoint, strict)
+            DDPStrategy.load_model_state_dict(self, checkpoint, strict=strict)
+        else:
+            self._in_group.load_model_state_dict(self, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.heal_mode.is_open:
-            self.heal_mode.load_optimizer_states(self.optimizers, checkpoint)
-            return
-        self._in_group.load_optimizer_state_dict(self, checkpoint)
-
-    def _lightning_module_or_raise(self) -> pl.LightningModule:
-        module = self.lightning_module
-        if module is None:
-            raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
-        return module
+            DDPStrategy.load_optimizer_state_dict(self, checkpoint)
+        else:
+            self._in_group.load_optimizer_state_dict(self, checkpoint)
 
     # ------------------------------------------------------------------ checkpoints
     @override

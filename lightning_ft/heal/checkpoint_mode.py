@@ -18,7 +18,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.optim import Optimizer
 
 from lightning_ft.hsdp.shards import to_local_shards
 
@@ -57,29 +56,16 @@ class HealCheckpointMode:
         buffers: dict[str, torch.Tensor] = getattr(self._thread, "committed_buffers", {})
         return buffers
 
-    def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The module's state as this process holds it (shared tensors, no copies), its buffers as committed."""
-        state = module.state_dict()
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The module's own ``state_dict()`` as a heal sends it: its buffers as committed, with FSDP its shards."""
         for name, tensor in self._committed_buffers.items():
             if name in state:  # persistent buffers only: the others are not part of the state
                 state[name] = tensor
         return to_local_shards(state) if self._sharded else state
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's own ``state_dict()`` (with FSDP, of this rank's shards)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        state = optimizer.state_dict()
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer's own ``state_dict()`` as a heal sends it: with FSDP, of this rank's shards."""
         return to_local_shards(state) if self._sharded else state
-
-    @staticmethod
-    def load_model_state(module: torch.nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        """Load a received model state, already checked and (with FSDP) wrapped back as this rank's shards."""
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-
-    @staticmethod
-    def load_optimizer_states(optimizers: list[Optimizer], checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(state)
 
 
 def healing(trainer: pl.Trainer) -> bool:
