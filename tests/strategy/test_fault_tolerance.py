@@ -292,12 +292,13 @@ def test_the_heal_source_killed_mid_send_the_healer_heals_from_another_peer(laun
         "paused", phase="heal_send"))[0]  # fmt: skip
     source, other = paused["group"], 1 - paused["group"]
     source_attempt = job.attempt(source, 0)
-    for gate in sends:
-        gate.unlink()
     # Held at a step from which the restarted source can still join: without it the two left could finish first.
     hold = job.hold_from_step(other, paused["step"] + 5)
     source_killed_at = time.time()
     os.kill(paused["pid"], signal.SIGKILL)
+    # Only now: a gate removed before the kill lets the source send the rest, and the healer heals from it in full.
+    for gate in sends:
+        gate.unlink()
     restarted_source = job.wait_for(
         f"torchrun to restart group {source}", lambda: job.worker_pid(source, 0, source_attempt + 1)
     )
