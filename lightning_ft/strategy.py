@@ -60,6 +60,7 @@ from lightning_ft.settings import (
     WorldSizeModeName,
 )
 from lightning_ft.signals import SigtermDeadline
+from lightning_ft.start.contract import install_contract_check, strategy_contract
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
@@ -436,6 +437,11 @@ class FTStrategy(DDPStrategy):
             self._section_position,
             expected_groups=self.num_replica_groups if self.settings.world_size_mode == "dynamic" else None,
         )
+        if self._protocol is not None:
+            own = strategy_contract(
+                self.settings, self.algorithm, self.data_parallel, self.data_mode, self._ddp_kwargs, self.world_size
+            )
+            install_contract_check(trainer, own, self._handle.manager, self.replica_group_id, self.num_replica_groups)
 
     def _model_buffers(self) -> ModelBuffers | None:
         """The model's buffers, averaged across the job at each vote, unless ``buffer_sync="off"``."""

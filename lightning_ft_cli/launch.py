@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -197,11 +198,21 @@ def status_page_line(lighthouse: str) -> str:
     return f"lighthouse status page: {lighthouse.rstrip('/')}/ (open in a browser: quorum, participants, heartbeats)"
 
 
-def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock) -> None:
+# The last line of a traceback that lightning-ft raised: ``<module>.<Name>Error: lightning-ft: <why>`` (torchrun puts
+# ``[rank<N>]: `` before each line of a worker's error output).
+LIGHTNING_FT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?(\w+(?:Error|Exception)): (lightning-ft: .*)$")
+
+
+def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, last_errors: dict[int, str]) -> None:
+    """Print a group's output with its prefix, and keep the last lightning-ft error it printed (``last_errors``):
+    the launcher repeats it when the group fails, so that the reason is not lost above other groups' output."""
     prefix = f"[group {group_id}] "
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        error = LIGHTNING_FT_ERROR.match(line)
         with lock:
+            if error is not None:
+                last_errors[group_id] = f"{error.group(1)}: {error.group(2)}"
             sys.stdout.write(prefix + line + "\n")
             sys.stdout.flush()
     stream.close()
@@ -320,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
 
     lock = threading.Lock()
+    last_errors: dict[int, str] = {}
     monkey: ChaosMonkey | None = None
     job = JobState(group_ids, args.finish_grace, time.monotonic)
     # Where the groups report the run's end (lightning_ft_job.run_end): a folder of this launch's unless set.
@@ -341,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
                 preexec_fn=terminate_with_parent(),  # the launcher SIGKILLed: its groups stop, not run on unseen
             )
             groups.append(ReplicaGroup(group_id, process))
-            relay = threading.Thread(target=_relay_output, args=(group_id, process.stdout, lock), daemon=True)
+            relay = threading.Thread(
+                target=_relay_output, args=(group_id, process.stdout, lock, last_errors), daemon=True
+            )
             relay.start()
             relays.append(relay)
 
@@ -386,9 +400,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     failed = [group for group in groups if group.group_id in job.failed]
     for group in failed:
+        error = last_errors.get(group.group_id)
         print(
             f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "
-            f"using up --max-restarts={args.max_restarts}; its output is above, prefixed [group {group.group_id}].",
+            f"using up --max-restarts={args.max_restarts}; its output is above, prefixed [group {group.group_id}]"
+            + (f". Its last error: {error}" if error else "."),
             file=sys.stderr,
             flush=True,
         )

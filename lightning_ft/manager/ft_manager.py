@@ -14,7 +14,10 @@ Four behaviours are added where torchft has no hook for them:
   known, and with no profiler running, the range is skipped (its cost per call is in ``docs/benchmarks.md``).
 * **Quorum observers** learn how long the training thread waited for each quorum and which quorum it got, measured
   in ``wait_quorum`` itself: every caller that blocks on a quorum passes there (the start of a synchronous step, the
-  first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section).
+  first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section). They hear of
+  a new quorum before its heal is vetted, and may exchange with the quorum's groups then (the job's start compares
+  every group's settings there, :mod:`lightning_ft.start.contract`); a received state they find to come from
+  another job is dropped (:meth:`FTManager.discard_heal`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ class QuorumSeen:
 
 
 class QuorumObserver(Protocol):
-    """Told of every wait for a quorum (``seconds``) and of every new quorum, on the training thread."""
+    """Told of every wait for a quorum (``seconds``) and of every new quorum, on the training thread.
+
+    ``quorum_formed`` runs before anything received in that quorum is vetted or loaded. It may exchange with the
+    quorum's other members over its process group, and raise to stop this group."""
 
     def quorum_waited(self, seconds: float) -> None: ...
 
@@ -128,6 +134,12 @@ class FTManager(Manager):
         if self._healing and self._step == 0:  # the whole job is at step 0: torchft's init_sync heal
             self._apply_pending_state_dict()
             self._healing = False
+
+    def discard_heal(self, reason: Exception) -> None:
+        """Load nothing of the state this replica received in the current quorum, and fail the step: ``reason`` says
+        why (the peer it came from belongs to another job). The next quorum heals it again, from another peer."""
+        self._pending_state_dict = None
+        self.report_error(reason)
 
     def quorum_id(self) -> int:
         """The id of the latest quorum (-1 before the first). torchft 0.2.0 has no accessor for it."""

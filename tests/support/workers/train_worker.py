@@ -651,9 +651,16 @@ def main() -> None:
         default=None,
         help="in this group's first life, exit 9 once fit has returned (a teardown that crashes after the end)",
     )
-    args = parser.parse_args()
-
+    parser.add_argument(
+        "--group-args",
+        default=None,
+        help="a folder: this group's file args.group<G> there, when it exists as the process starts, adds arguments "
+        "(one host's edited configuration; a restart reads it anew)",
+    )
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    args = parser.parse_args()
+    if args.group_args is not None and (Path(args.group_args) / f"args.group{group}").exists():
+        args = parser.parse_args(sys.argv[1:] + (Path(args.group_args) / f"args.group{group}").read_text().split())
     stateful_loader = args.stateful_loader is not None and (
         args.stateful_loader == "all" or str(group) in args.stateful_loader.split(",")
     )
