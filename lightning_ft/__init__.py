@@ -34,6 +34,7 @@ from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
+from lightning_ft.start.contract import JobContractError
 from lightning_ft.strategy import FTStrategy
 
 __version__ = "0.1.0.dev0"
@@ -49,6 +50,7 @@ __all__ = [
     "Failure",
     "FailureInjector",
     "FaultToleranceMonitor",
+    "JobContractError",
     "JobShard",
     "LighthouseUnavailableError",
     "LighthouseUnreachableError",
