@@ -6,8 +6,8 @@
   inner steps.
 * :class:`StateTransferCallback` hands the whole training state to the Manager for live healing.
 * :class:`ManagerCheckpointCallback` stores the Manager's committed-step state in Lightning checkpoints.
-* :class:`ReplicaConsistencyCheck` (never added by the strategy) compares the replicas' parameter fingerprints every
-  N committed steps and makes a diverged group heal.
+* :class:`ReplicaConsistencyCheck` compares fingerprints of the replicas' whole training state every N committed
+  steps and at the last one, and makes a diverged group heal (added with ``algorithm="ddp"``).
 * :class:`FailureInjector` (never added by the strategy) rehearses failures: kill, raise, hang, slow down or NaN
   gradients on one replica at a chosen step.
 * :class:`DataPositionCallback` keeps every group at its peers' loop position, in its own shard, after a heal or a
@@ -53,6 +53,7 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
         StateTransferCallback,
         ManagerCheckpointCallback,
         FaultToleranceMonitor,
+        *([] if semi_sync else [ReplicaConsistencyCheck]),  # semi-sync replicas differ between syncs by design
     ]
     missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]  # type: ignore[attr-defined]  # set by Lightning's callback connector
     trainer.callbacks[0:0] = missing  # type: ignore[attr-defined]

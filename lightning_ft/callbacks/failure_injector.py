@@ -63,8 +63,9 @@ class Failure:
             ``"hang"`` (SIGSTOP itself: every thread stops, heartbeats included, as in a machine that stops
             responding; it continues after ``seconds``, or never if ``seconds`` is ``None``), ``"slow"`` (sleep
             ``seconds`` before each of ``steps`` batches: a straggler), ``"nan"`` (this replica's gradients of that
-            step are NaN before they are averaged across groups) or ``"corrupt"`` (one weight of this replica
-            changes silently, as silent data corruption would do; see ``ReplicaConsistencyCheck``) or ``"stuck"``
+            step are NaN before they are averaged across groups) or ``"corrupt"`` (one value of this replica's
+            training state changes silently, as silent data corruption would do: see ``target`` and
+            ``ReplicaConsistencyCheck``) or ``"stuck"``
             (``at="allreduce"`` only: the step's allreduce runs, so the peers complete it, but here it never
             completes, until the collective timeout fails it; the process keeps heartbeating. This is what a
             survivor sees when Gloo loses a send after a peer died mid-allreduce; see
@@ -78,6 +79,9 @@ class Failure:
         seconds: ``hang``: how long the process stays stopped (``None``: until someone sends SIGCONT).
             ``slow``: the delay before each batch.
         steps: ``slow`` only: how many consecutive steps are slowed down.
+        target: ``corrupt`` only: what changes. ``"weights"`` (the first weight), ``"optimizer"`` (the first
+            element of the first optimizer's first state tensor, such as Adam's first moment) or
+            ``"callback:<state_key>"`` (the first number of that callback's ``state_dict()``, loaded back).
     """
 
     kind: str
@@ -87,6 +91,7 @@ class Failure:
     at: str = "batch_start"
     seconds: float | None = 5.0
     steps: int = 1
+    target: str = "weights"
 
     def __post_init__(self) -> None:
         if self.kind not in FAILURE_KINDS:
@@ -105,6 +110,11 @@ class Failure:
             raise FTConfigError(f"Failure(steps={self.steps}): must be >= 1.")
         if self.seconds is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise FTConfigError(f"Failure(seconds={self.seconds}): must be a positive number of seconds.")
+        if self.target != "weights" and (self.kind != "corrupt" or not _is_corruption_target(self.target)):
+            raise FTConfigError(
+                f"Failure(kind={self.kind!r}, target={self.target!r}): target is for kind='corrupt' only, and is "
+                f"'weights', 'optimizer' or 'callback:<state_key>'."
+            )
         if self.kind == "slow" and self.seconds is None:
             raise FTConfigError("Failure(kind='slow'): seconds (the delay per batch) is required.")
 
@@ -214,15 +224,44 @@ class FailureInjector(Callback):
             assert failure.seconds is not None
             time.sleep(failure.seconds)
         elif failure.kind == "corrupt":
-            with torch.no_grad():
-                first = next(p for p in pl_module.parameters() if p.numel())
-                first.view(-1)[0] += 1e-3
+            _corrupt(trainer, pl_module, failure.target)
         elif failure.kind == "nan":
             self._nan_hooks = [
                 p.register_hook(lambda grad: torch.full_like(grad, float("nan")))
                 for p in pl_module.parameters()
                 if p.requires_grad
             ]
+
+
+def _is_corruption_target(target: str) -> bool:
+    return target in ("weights", "optimizer") or (target.startswith("callback:") and len(target) > len("callback:"))
+
+
+def _corrupt(trainer: pl.Trainer, pl_module: pl.LightningModule, target: str) -> None:
+    """Change one value of this replica's training state, silently."""
+    with torch.no_grad():
+        if target == "weights":
+            first = next(p for p in pl_module.parameters() if p.numel())
+            first.view(-1)[0] += 1e-3
+        elif target == "optimizer":
+            states = [s for s in trainer.optimizers[0].state.values() for v in s.values() if _has_floats(v)]
+            if not states:
+                raise FTConfigError("Failure(target='optimizer'): the first optimizer holds no state tensor yet.")
+            tensor = next(v for v in states[0].values() if _has_floats(v))
+            tensor.view(-1)[0] += 1e-3
+        else:
+            key = target.removeprefix("callback:")
+            callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+            callback = next((c for c in callbacks if c.state_key == key), None)
+            state = callback.state_dict() if callback is not None else {}
+            number = next((name for name, value in state.items() if isinstance(value, (int, float))), None)
+            if callback is None or number is None or isinstance(state[number], bool):
+                raise FTConfigError(f"Failure(target={target!r}): no callback with that state_key and a number.")
+            callback.load_state_dict({**state, number: state[number] + 1})
+
+
+def _has_floats(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
 
 
 class _CompletionNeverArrives(dist.Work):

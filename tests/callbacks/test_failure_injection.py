@@ -210,14 +210,79 @@ def test_fingerprints_are_exact_and_see_one_changed_bit():
     assert parameter_fingerprint(flipped) != parameter_fingerprint(params)
 
 
-def test_the_diverged_group_is_the_one_outside_the_majority():
+def test_the_diverged_group_is_the_one_outside_the_majority_and_the_differing_entries_are_named():
     from lightning_ft.callbacks.consistency import _diverged_groups
 
-    ok, bad = (10, 20), (11, 20)
-    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (2, 0, *bad)]) == ({2}, set())
-    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok), (0, 1, *ok), (1, 1, *bad), (2, 1, *ok)]) == ({1}, set())
-    assert _diverged_groups([(0, 0, *ok), (1, 0, *bad)]) == (set(), {0, 1})  # two groups: nobody can tell
-    assert _diverged_groups([(0, 0, *ok), (1, 0, *ok)]) == (set(), set())
+    ok = {"state_dict": [10, 20], "optimizer_states": [3, 4]}
+    bad = {"state_dict": [10, 20], "optimizer_states": [3, 5]}
+
+    def rows(*entries: tuple[int, int, dict]) -> list[dict]:
+        return [{"group": group, "rank": rank, "entries": fingerprints} for group, rank, fingerprints in entries]
+
+    assert _diverged_groups(rows((0, 0, ok), (1, 0, ok), (2, 0, bad))) == ({2}, set(), ["optimizer_states"])
+    assert _diverged_groups(rows((0, 0, ok), (1, 0, ok), (0, 1, ok), (1, 1, bad), (2, 1, ok))) == (
+        {1},
+        set(),
+        ["optimizer_states"],
+    )
+    assert _diverged_groups(rows((0, 0, ok), (1, 0, bad))) == (set(), {0, 1}, ["optimizer_states"])  # nobody can tell
+    assert _diverged_groups(rows((0, 0, ok), (1, 0, ok))) == (set(), set(), [])
+    extra = {**ok, "callbacks[BatchCounter]": [1, 1]}
+    assert _diverged_groups(rows((0, 0, ok), (1, 0, ok), (2, 0, extra))) == ({2}, set(), ["callbacks[BatchCounter]"])
+
+
+def test_the_state_fingerprint_sees_one_changed_element_of_each_entry_and_names_it(tmp_path):
+    """Lightning's checkpoint of a small fit, fingerprinted entry by entry: the same state twice gives the same
+    fingerprints; one element of the optimizer's state, or one number of a callback's state, changes that entry's
+    alone."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ft import lightning_internals
+    from lightning_ft.heal import fingerprint as fingerprint_module
+    from lightning_ft.heal.fingerprint import state_fingerprints
+
+    class Counter(pl.Callback):
+        def __init__(self) -> None:
+            self.count = 0
+
+        def state_dict(self) -> dict:
+            return {"count": self.count}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self.count = state_dict["count"]
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    counter = Counter()
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[counter], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4))
+    capture = fingerprint_module.capture_training_state  # needs FTStrategy's heal mode; Lightning's own dump here
+    fingerprint_module.capture_training_state = lightning_internals.dump_checkpoint
+    try:
+        before = state_fingerprints(trainer, synced_buffers=None)
+        assert state_fingerprints(trainer, synced_buffers=None) == before
+        entry = f"callbacks[{counter.state_key}]"
+        assert {"optimizer_states", entry, "state_dict"} <= set(before), sorted(before)
+        moment = next(iter(trainer.optimizers[0].state.values()))["exp_avg"]
+        moment.view(-1)[0] += 1e-3
+        after = state_fingerprints(trainer, synced_buffers=None)
+        assert [name for name in before if before[name] != after[name]] == ["optimizer_states"]
+        counter.count += 1
+        again = state_fingerprints(trainer, synced_buffers=None)
+        assert [name for name in after if after[name] != again[name]] == [entry]
+    finally:
+        fingerprint_module.capture_training_state = capture
 
 
 def test_a_group_that_heals_where_a_consistency_check_is_due_takes_part_in_it(launch):
@@ -247,17 +312,28 @@ def test_a_group_that_heals_where_a_consistency_check_is_due_takes_part_in_it(la
 
 
 @pytest.mark.timeout(420)
-def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
-    """Group 2's weights change silently at step 12 (simulated silent data corruption): no error anywhere. The
-    consistency check at step 15 names group 2; group 2 stops, torchrun restarts it and it heals from the majority.
-    At the end all three replicas are bit-identical again."""
+@pytest.mark.parametrize(
+    ("target", "entry"),
+    [
+        pytest.param("weights", "state_dict", id="weights"),
+        pytest.param("optimizer", "optimizer_states", id="optimizer-state", marks=pytest.mark.paths),
+        pytest.param("callback:BatchCounter", "callbacks[BatchCounter]", id="callback-state", marks=pytest.mark.paths),
+    ],
+)
+def test_a_silently_corrupted_replica_is_found_named_and_healed(launch, target, entry):
+    """One value of group 2's training state changes silently at step 12 (simulated silent data corruption): a
+    weight, an element of the optimizer's state, or a number in a callback's state. No error anywhere. The
+    consistency check at step 15 names group 2 and the entries of the state that differ; group 2 stops, torchrun
+    restarts it and it heals from the majority. At the end all three replicas are bit-identical again, the callback's
+    state too."""
     max_steps = 60
     job = launch(
         groups=3,
         worker_args=[
             f"--max-steps={max_steps}",
             "--consistency-every=5",
-            inject({"kind": "corrupt", "group": 2, "step": 12}),
+            "--counter-callback",
+            inject({"kind": "corrupt", "group": 2, "step": 12, "target": target}),
             *GATES,
         ],
     )
@@ -273,11 +349,43 @@ def test_a_silently_corrupted_replica_is_found_named_and_healed(launch):
     job.wait_for("the restarted group 2 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     hold.unlink()
     assert_identical_at(job, max_steps=max_steps, committed=max_steps, replicas=3)
+    counters = {key: state["counter"] for key, state in job.final_states().items()}
+    assert len({str(counter) for counter in counters.values()}) == 1, counters
     reports = job.events("replica_diverged")
     assert {e["group"] for e in reports} >= {0, 1}, reports
     assert all(e["groups"] == [2] and e["step"] == 15 and e["majority"] for e in reports), reports
+    # The entry changed is named; an optimizer's state moves the weights of the steps after it as well.
+    assert all(entry in e["entries"] and set(e["entries"]) <= {entry, "state_dict"} for e in reports), reports
     assert "ReplicaDivergedError" in job.log_path.read_text(errors="replace")
     assert job.events("healed", group=2, pid=restarted), job.tail()
+    if target != "weights":
+        return
     detected = min(e["time"] for e in reports)
     record("Silent corruption of one replica of 3 (check every 5 steps)", job, failed_at=injected_at(job), victim=2,
            survivors=[0, 1], detected_after_s=round(detected - injected_at(job), 2))  # fmt: skip
+
+
+def test_a_divergence_after_the_last_periodic_check_is_found_at_the_last_step_before_any_final_state(launch):
+    """The check runs at the job's last step as well: group 1's optimizer state changes silently at step 17, after
+    the last periodic check (every 5 steps: 15), and the check at step 19 (the last) names it, before any group
+    writes its final state. Group 1 stops; its restart finds the job finished. The two final states are the
+    majority's, identical; group 1 writes none."""
+    max_steps = 19
+    job = launch(
+        groups=3,
+        worker_args=[
+            f"--max-steps={max_steps}",
+            "--consistency-every=5",
+            inject({"kind": "corrupt", "group": 1, "step": 17, "target": "optimizer"}),
+            *GATES,
+        ],
+    )
+    start_together(job, groups=3, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+    reports = job.events("replica_diverged")
+    assert reports and all(e["groups"] == [1] and e["step"] == max_steps for e in reports), reports
+    assert all(e["entries"] == ["optimizer_states", "state_dict"] for e in reports), reports  # and the weights it moved
+    states = job.final_states()
+    assert sorted(states) == [(0, 0), (2, 0)], sorted(states)
+    assert_bit_identical(states, replicas=2)
+    assert all(state["global_step"] == max_steps for state in states.values())

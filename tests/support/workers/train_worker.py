@@ -523,9 +523,27 @@ class SaveFinalState(pl.Callback):
             "outer_state": next((cb.outer_state for cb in trainer.callbacks if isinstance(cb, SyncCallback)), None),
             # What the module and the callbacks keep through checkpoint hooks (a WeightAveraging's averaged model)
             "hook_state": hook_state(trainer, pl_module),
+            "counter": next((cb.state_dict() for cb in trainer.callbacks if isinstance(cb, BatchCounter)), None),
         }
         name = f"final.group{strategy.replica_group_id}.rank{trainer.global_rank}.pt"
         torch.save(state, self.out_dir / name)
+
+
+class BatchCounter(pl.Callback):
+    """A callback whose state (batches seen) is part of Lightning's checkpoint: what a heal must carry and the
+    consistency check must compare."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
 
 
 def hook_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -645,6 +663,7 @@ def main() -> None:
         "--weight-averaging", choices=["ema", "equal"], default=None, help="Lightning's EMA or equal WeightAveraging"
     )
     parser.add_argument("--hook-counter", action="store_true", help="a module that counts batches in checkpoint hooks")
+    parser.add_argument("--counter-callback", action="store_true", help="a callback that counts batches in its state")
     parser.add_argument(
         "--crash-after-fit",
         type=int,
@@ -682,6 +701,8 @@ def main() -> None:
         callbacks.append(pl.callbacks.EMAWeightAveraging(decay=0.9))
     elif args.weight_averaging == "equal":
         callbacks.append(pl.callbacks.WeightAveraging())
+    if args.counter_callback:
+        callbacks.append(BatchCounter())
     if args.inject is not None:
         callbacks.append(FailureInjector(json.loads(args.inject)))
     if args.batch_sleep:
