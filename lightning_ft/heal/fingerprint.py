@@ -8,8 +8,8 @@ exact fingerprint, so a mismatch names the entries that differ.
 Tensors are read as 32-bit words (bytes when their size is not a multiple of 4), summed in 64-bit integer arithmetic
 and their squares (wrapping at 32 bits) summed too, on their own device, each weighted by a number drawn from its
 path in the state: the same bytes at the same place give the same result whatever the device, kernel or order, and
-one flipped bit, or two tensors swapped, changes it. Other values (numbers, strings, ``None``) are hashed by their text. With FSDP each
-rank fingerprints its own shards; rank r of every group holds the same shard.
+one flipped bit, or two tensors swapped, changes it. Other values (numbers, strings, ``None``) are hashed by their
+text. With FSDP each rank fingerprints its own shards; rank r of every group holds the same shard.
 """
 
 from __future__ import annotations
