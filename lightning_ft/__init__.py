@@ -34,7 +34,7 @@ from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
-from lightning_ft.start.contract import JobContractError
+from lightning_ft.start.job_settings import JobContractError
 from lightning_ft.strategy import FTStrategy
 
 __version__ = "0.1.0.dev0"

@@ -60,7 +60,8 @@ from lightning_ft.settings import (
     WorldSizeModeName,
 )
 from lightning_ft.signals import SigtermDeadline
-from lightning_ft.start.contract import install_contract_check, strategy_contract
+from lightning_ft.start.contract import install_contract_check
+from lightning_ft.start.job_settings import strategy_contract
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives

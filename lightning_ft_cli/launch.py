@@ -198,9 +198,11 @@ def status_page_line(lighthouse: str) -> str:
     return f"lighthouse status page: {lighthouse.rstrip('/')}/ (open in a browser: quorum, participants, heartbeats)"
 
 
-# The last line of a traceback that lightning-ft raised: ``<module>.<Name>Error: lightning-ft: <why>`` (torchrun puts
-# ``[rank<N>]: `` before each line of a worker's error output).
-LIGHTNING_FT_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?(\w+(?:Error|Exception)): (lightning-ft: .*)$")
+# The last line of a traceback that lightning-ft raised: ``lightning_ft.<module>.<Name>: <why>``, or a built-in error
+# whose message starts with ``lightning-ft:`` (torchrun puts ``[rank<N>]: `` before each line of a worker's errors).
+LIGHTNING_FT_ERROR = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?:lightning_ft(?:_\w+)?(?:\.\w+)*\.(\w+): (.+)|(?:[\w.]+\.)?(\w+): (lightning-ft: .*))$"
+)
 
 
 def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, last_errors: dict[int, str]) -> None:
@@ -212,7 +214,8 @@ def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, last_e
         error = LIGHTNING_FT_ERROR.match(line)
         with lock:
             if error is not None:
-                last_errors[group_id] = f"{error.group(1)}: {error.group(2)}"
+                name, why = (error.group(1), error.group(2)) if error.group(1) else (error.group(3), error.group(4))
+                last_errors[group_id] = f"{name}: {why}"
             sys.stdout.write(prefix + line + "\n")
             sys.stdout.flush()
     stream.close()

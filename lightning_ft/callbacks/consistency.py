@@ -135,7 +135,7 @@ class ReplicaConsistencyCheck(Callback):
         mine = {"group": group, "rank": trainer.global_rank, "entries": state_fingerprints(trainer, synced)}
         payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
         collectives = ft_collectives(trainer)
-        collectives.open_section()
+        collectives.open_section(reduces_data=False)
         try:
             everyone = collectives.all_gather(payload)
         finally:

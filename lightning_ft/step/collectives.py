@@ -102,17 +102,20 @@ class CrossGroupCollectives:
         self._section: int | None = None
         self._section_quorum: int | None = None
         self._group_local_depth = 0
+        self._says_if_partial = True
         self._warned = False
 
     # ------------------------------------------------------------------ where collectives may cross groups
-    def open_section(self) -> None:
+    def open_section(self, reduces_data: bool = True) -> None:
         """Every group has reached the same point (an evaluation loop, an epoch end): collectives may cross groups.
 
         In ``fit``, only a group that has taken part in a step quorum opens sections: a group that restarted and
-        has not joined yet is not aligned with the others.
+        has not joined yet is not aligned with the others. ``reduces_data=False``: what the section exchanges
+        covers no data (the consistency check's fingerprints), so a section without every group is not said.
         """
         if self.protocol is None or self.protocol.quorums_opened > 0:
             self._section = self._step_quorums()
+            self._says_if_partial = reduces_data
 
     def close_section(self) -> None:
         """End the section now (the next optimizer step's quorum ends it anyway)."""
@@ -262,7 +265,8 @@ class CrossGroupCollectives:
         if rank is not None:
             buffer[rank * slot.numel() : (rank + 1) * slot.numel()] = slot
         self._allreduce_sum(buffer)
-        self._say_if_partial(slots)
+        if self._says_if_partial:
+            self._say_if_partial(slots)
         if slot.numel() == 0 or slots == 0:
             return
         positions = buffer[:-1].clone().reshape(slots, slot.numel()).view(torch.int64)

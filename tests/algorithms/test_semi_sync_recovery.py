@@ -44,7 +44,7 @@ def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: i
         pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2", marks=pytest.mark.compat),
         # Streaming without a delay joins at a periodic sync here only with a delay (the superset: a fragment's
         # allreduce in flight across the join); without one it joins the final syncs in the test below.
-        pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1"),
+        pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1", marks=pytest.mark.paths),
     ],
 )
 def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay, nproc):
@@ -74,7 +74,8 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
     ("algorithm", "fragments", "delay", "async_quorum"),
     [
         *[pytest.param(*case.values, 0, id=case.id) for case in SEMI_SYNC_CASES],
-        pytest.param("local_sgd", 1, 0, 1, id="local_sgd-async-quorum"),  # heals at the join sync's vote
+        # heals at the join sync's vote
+        pytest.param("local_sgd", 1, 0, 1, id="local_sgd-async-quorum", marks=pytest.mark.paths),
     ],
 )
 def test_a_group_that_restarts_during_the_final_syncs_joins_them_and_trains_no_further(

@@ -129,3 +129,22 @@ def test_a_group_restarted_with_an_edited_configuration_is_refused_when_it_heals
     assert list(states) == [(survivor, 0)], sorted(states)
     assert_bit_identical(states, replicas=1)
     assert states[(survivor, 0)]["global_step"] == MAX_STEPS
+
+
+@pytest.mark.paths
+def test_two_groups_that_build_different_models_both_stop_at_the_start(launch, tmp_path):
+    """Two groups, group 1's model wider from the start: no majority can tell which model is the job's, so both stop
+    before their first step, each naming the model's structure and both values, and the launcher says so for each.
+    Nothing trains. (A restart whose model differs from a running job's is refused by the heal's own check, which
+    names each parameter: ``tests/heal/test_incompatible_replicas.py``.)"""
+    edit_group(tmp_path / "job", 1, "--hidden-for-group=1:48")
+    job = launch(groups=2, max_restarts=0, worker_args=[f"--max-steps={MAX_STEPS}", "--group-args={root}", *GATES])
+    start_together(job, groups=2, nproc=1)
+    assert job.wait_exit() == 1, job.tail()
+    for group in (0, 1):
+        (refusal,) = job.events("contract_refused", group=group)
+        assert [d["setting"] for d in refusal["differences"]] == ["model structure"], refusal
+        assert refusal["peers"] == [1 - group], refusal
+    summary = [line for line in job.log_path.read_text().splitlines() if "Its last error: JobContractError" in line]
+    assert len(summary) == 2 and all("no majority can tell which is right" in line for line in summary), job.tail()
+    assert not job.events("step", committed=True), "a group trained"

@@ -13,7 +13,8 @@ from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging, Learn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FTStrategy
-from lightning_ft.start.contract import JobContract, JobContractCheck, JobContractError, describe_job, strategy_contract
+from lightning_ft.start.contract import JobContractCheck
+from lightning_ft.start.job_settings import JobContract, JobContractError, describe_job, strategy_contract
 
 
 class TinyModel(pl.LightningModule):
