@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.overrides import TorchFunctionMode
 
-from lightning_ft import FTStrategy
+from lightning_ft import FTStrategy, ReplicaConsistencyCheck
 from lightning_ft_job.events import ENV_EVENTS_DIR
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,11 +109,19 @@ class LoggingRegressor(Regressor):
         return loss
 
 
+class NoConsistencyCheck(ReplicaConsistencyCheck):
+    """In place of FTStrategy's default check, which reads its fingerprints every N steps and at the last one: not a
+    per-step cost (``benchmarks/heal/state_check_cost.py`` measures it)."""
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 def count_host_reads(strategy: Any, tmp_path: Path, steps: int, **trainer_kwargs: Any) -> HostReads:
     reads = HostReads()
     run = trainer(
         strategy,
-        callbacks=[CountFromBatch(reads)],
+        callbacks=[CountFromBatch(reads), NoConsistencyCheck()],
         max_steps=steps,
         logger=CSVLogger(tmp_path),
         log_every_n_steps=1,
