@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 SEMI_SYNC_CASES = [
     pytest.param("local_sgd", 1, 0, id="local_sgd"),
     pytest.param("diloco", 2, 0, id="streaming-diloco-2-fragments"),
-    pytest.param("diloco", 2, 1, id="streaming-diloco-2-fragments-delay-1"),
+    pytest.param("diloco", 2, 1, id="streaming-diloco-2-fragments-delay-1", marks=pytest.mark.paths),
 ]
 
 
@@ -73,7 +73,7 @@ def test_semi_sync_sigkill_one_of_two_groups(launch, algorithm, fragments, delay
 @pytest.mark.parametrize(
     ("algorithm", "fragments", "delay", "async_quorum"),
     [
-        *[pytest.param(*case.values, 0, id=case.id) for case in SEMI_SYNC_CASES],
+        *[pytest.param(*case.values, 0, id=case.id, marks=case.marks) for case in SEMI_SYNC_CASES],
         # heals at the join sync's vote
         pytest.param("local_sgd", 1, 0, 1, id="local_sgd-async-quorum", marks=pytest.mark.paths),
     ],

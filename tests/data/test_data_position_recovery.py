@@ -58,7 +58,7 @@ def assert_reads_its_own_shard(size: int, group: int, records: list[dict[str, An
         # 100 batches per epoch: the whole run is epoch 0, so the healed group continues the epoch it died in
         pytest.param(1, "http", 3200, id="async-http-same-epoch"),
         # 3 batches per epoch: at the heal its peer is epochs ahead of the restarted group's fresh epoch 0
-        pytest.param(0, "pg", 96, id="sync-pg-later-epoch"),
+        pytest.param(0, "pg", 96, id="sync-pg-later-epoch", marks=pytest.mark.paths),
     ],
 )
 def test_a_healed_group_continues_its_own_shard_at_its_peers_batch_index(launch, async_quorum, transport, size):

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(480)]
 HSDP = ["--data-parallel=fsdp", "--fsdp-wrap=Linear", "--async-quorum=0"]
 
 
-@pytest.mark.parametrize("transport", ["http", pytest.param("pg", marks=pytest.mark.compat)])
+@pytest.mark.parametrize("transport", ["http", pytest.param("pg", marks=[pytest.mark.compat, pytest.mark.paths])])
 def test_sigkill_one_rank_its_group_restarts_heals_sharded_state_and_rejoins(launch, transport):
     """One rank of group 1 is SIGKILLed: its whole group restarts (fresh store), heals its shards from group 0's
     same-rank processes, and rejoins; every group ends with the same full parameters and optimizer state. With

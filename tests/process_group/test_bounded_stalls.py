@@ -166,7 +166,14 @@ SECTIONS = [
         id="validation",
     ),
     pytest.param(["--consistency-every=5"], 5, 40, [], id="consistency-check"),
-    pytest.param(["--algorithm=diloco", "--sync-every=4", "--async-quorum=0"], 2, 10, [], id="diloco-sync"),
+    pytest.param(
+        ["--algorithm=diloco", "--sync-every=4", "--async-quorum=0"],
+        2,
+        10,
+        [],
+        id="diloco-sync",
+        marks=pytest.mark.paths,
+    ),
 ]
 
 

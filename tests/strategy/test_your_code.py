@@ -87,7 +87,7 @@ def samples_by_step(job: LaunchedJob) -> dict[int, dict[int, set[int]]]:
 
 @pytest.mark.parametrize(
     ("user_data", "disjoint"),
-    [("sampler", True), ("job-iterable", True), ("rank-iterable", False)],
+    [("sampler", True), pytest.param("job-iterable", True, marks=pytest.mark.paths), ("rank-iterable", False)],
     ids=["distributed-sampler", "iterable-by-job-shard", "iterable-by-group-rank"],
 )
 def test_data_code_written_for_plain_ddp(launch, user_data: str, disjoint: bool):
@@ -143,7 +143,7 @@ def kill_at_gate(job: LaunchedJob, *, victim: int, survivor: int, gate: str, val
     job.release_until_healed({survivor: hold}, victim, since=killed_at)
 
 
-@pytest.mark.parametrize("micro_batch", [1, 3])
+@pytest.mark.parametrize("micro_batch", [pytest.param(1, marks=pytest.mark.paths), 3])
 def test_accumulation_killed_mid_window_ends_as_one_model(launch, micro_batch: int):
     """Accumulation over 4 micro-batches, BatchNorm and clipping: the victim is SIGKILLed at the start of micro-batch
     1 (mid-window) or 3 (the one that votes) of a window. Nothing of the half-accumulated step survives anywhere;
