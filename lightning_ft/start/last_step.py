@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from torch.distributed import ReduceOp
 from torchft import Manager
 
 from lightning_ft.errors import LightningFTError
@@ -137,12 +139,8 @@ class LastStepCheck:
             return True
         step = manager.current_step() + 1
         verdict = self._broadcast(self._decide(members, step) if self._group_rank == 0 else None)
-        if verdict is None:
-            self._deferring_since, self._deferrals = None, 0
-            return True
-        assert isinstance(verdict, LastVote)
         group = settings.replica_group_id
-        if verdict.ended is not None:
+        if verdict is not None and verdict.ended is not None:
             report = verdict.ended
             message = (
                 f"lightning-ft: replica group {group} stops before its last step: replica group {report.group} ended "
@@ -152,12 +150,22 @@ class LastStepCheck:
             log.warning(message)
             events.emit("job_already_finished", step=report.step, directory=None, run=report.run_id)
             raise JobAlreadyFinished(report.step, message)
+        # Every group of the quorum decides alike, or one would commit the last step and another take it again: each
+        # reads the lighthouse at its own moment, and an outsider's heartbeat may lapse between two reads.
+        if not _any_defers(manager, verdict is not None):
+            self._deferring_since, self._deferrals = None, 0
+            return True
+        verdict = verdict if verdict is not None else LastVote(heartbeating=())
         events.emit("last_step_deferred", step=step, heartbeating=list(verdict.heartbeating))
         manager.report_error(
             LastStepDeferred(
-                f"lightning-ft: replica group {group} takes its last step (committed step {step}) again: replica "
-                f"group(s) {', '.join(map(str, verdict.heartbeating))} outside its quorum still heartbeat and may be "
-                f"ending the job there"
+                f"lightning-ft: replica group {group} takes its last step (committed step {step}) again: "
+                + (
+                    f"replica group(s) {', '.join(map(str, verdict.heartbeating))} outside its quorum still heartbeat "
+                    f"and may be ending the job there"
+                    if verdict.heartbeating
+                    else "a group of its quorum saw a group outside it still heartbeat"
+                )
             )
         )
         return False
@@ -193,3 +201,12 @@ class LastStepCheck:
             return None
         self._deferrals += 1
         return verdict
+
+
+def _any_defers(manager: Manager, defers: bool) -> bool:
+    """Whether any group of the quorum takes its last step again: a sum over the quorum's process group (every rank
+    of a group holds its group's verdict). A failed exchange counts as a deferral: the step is not committed
+    anywhere it failed, and is taken again."""
+    flag = torch.tensor([1.0 if defers else 0.0])
+    manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()
+    return manager.errored() is not None or bool(flag.item() > 0)

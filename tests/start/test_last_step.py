@@ -47,11 +47,23 @@ def test_groups_of_another_job_on_the_same_lighthouse_are_not_outsiders():
 
 
 class FakeManager:
-    def __init__(self, members: list[int], step: int = 19) -> None:
+    """What the check uses of a Manager; ``peers_defer``: another group of the quorum takes the step again."""
+
+    def __init__(self, members: list[int], step: int = 19, peers_defer: bool = False) -> None:
         self._client = QuorumMembers(SimpleNamespace())
         self._client.quorum_replica_ids = tuple(f"{PREFIX}{g:04d}:u" for g in members)
         self.step = step
         self.errors: list[Exception] = []
+        self.peers_defer = peers_defer
+        self.exchanges = 0
+
+    def allreduce(self, tensor, reduce_op=None) -> SimpleNamespace:  # the quorum's sum of deferral flags
+        self.exchanges += 1
+        tensor += float(self.peers_defer)
+        return SimpleNamespace(wait=lambda: None)
+
+    def errored(self) -> None:
+        return None
 
     def wait_quorum(self) -> None:
         pass
@@ -133,3 +145,16 @@ def test_deferrals_stop_short_of_torchfts_max_retries():
     manager = FakeManager([0])
     assert [check.before_vote(manager) for _ in range(3)] == [False, False, True]
     assert len(manager.errors) == 2
+
+
+def test_every_group_of_the_quorum_takes_the_last_step_again_when_one_of_them_defers():
+    """Two groups of one quorum read the lighthouse at their own moments; an outsider's heartbeat may lapse between
+    the two reads. The one that saw it lapsed must not commit while the other takes the step again (the frozen-group
+    test saw that once: one group finished, the other stopped without a final state). Checked to fail without the
+    exchange: the group commits."""
+    lapsed = FakeManager([0, 2], peers_defer=True)
+    make_check(status(0, 2)).before_vote(lapsed)  # this group sees no outsider heartbeat: it alone would commit
+    assert [type(error) for error in lapsed.errors] == [LastStepDeferred] and lapsed.exchanges == 1
+    agreed = FakeManager([0, 2])
+    make_check(status(0, 2)).before_vote(agreed)
+    assert agreed.errors == [] and agreed.exchanges == 1
