@@ -17,7 +17,9 @@ step, or a final sync), in a quorum that lacks some of the job's groups, first l
    report before its Manager stops heartbeating), or it is alive and late. This group votes not to commit
    (:class:`LastStepDeferred`) and asks for a new quorum, which the late group can join; the step (or the final sync)
    is taken again. For at most :data:`LAST_STEP_WAIT_S` (and fewer times in a row than ``max_retries``, after which
-   torchft would stop the group); then it commits (an outsider that comes later finds its report: rule 1).
+   torchft would stop the group); then it commits (an outsider that comes later finds its report: rule 1). The groups
+   of the quorum take it again together: each reads the lighthouse at its own moment, so they sum their deferrals
+   over the quorum's process group, and one group's deferral is all of theirs.
 3. **Else** it commits.
 
 The lighthouse's heartbeats are read before the reports: a finisher whose heartbeat is seen lapsed had written its
