@@ -134,7 +134,8 @@ class ReplicaConsistencyCheck(Callback):
         averaged = settings is None or settings.buffer_sync == "average"  # "off": buffers differ by design
         synced = {name for name, _, _ in synced_buffers(pl_module)} if averaged else set()
         mine = {"group": group, "rank": trainer.global_rank, "entries": state_fingerprints(trainer, synced)}
-        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        # On the model's device: the cross-group process group is NCCL on a GPU.
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8).to(pl_module.device)
         collectives = ft_collectives(trainer)
         collectives.open_section(reduces_data=False)
         try:

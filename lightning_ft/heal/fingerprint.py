@@ -56,31 +56,38 @@ def state_fingerprints(trainer: pl.Trainer, synced_buffers: set[str] | None) -> 
             entries[key] = {name: tensor for name, tensor in value.items() if name not in buffers}
         else:
             entries[key] = value
-    return {name: tree_fingerprint(value) for name, value in sorted(entries.items())}
+    names = sorted(entries)
+    parts = [_tree_sums(entries[name]) for name in names]
+    # One read per device for the whole state (on a GPU, one host sync), not one per entry.
+    read = {
+        device: torch.stack([sums.get(device, torch.zeros(2, dtype=torch.int64, device=device)) for _, sums in parts])
+        .cpu()
+        .tolist()
+        for device in {device for _, sums in parts for device in sums}
+    }
+    fingerprints = {}
+    for index, (name, (total, _)) in enumerate(zip(names, parts, strict=True)):
+        squares = 0
+        for rows in read.values():
+            total = (total + rows[index][0]) & _MASK
+            squares = (squares + rows[index][1]) & _MASK
+        fingerprints[name] = [total, squares]
+    return fingerprints
 
 
-def tree_fingerprint(value: Any) -> list[int]:
-    """``[sum, sum of squares]`` of a nested state (dicts, lists, tensors, plain values); see the module. Tensors are
-    summed where they live, and read once per device."""
+def _tree_sums(value: Any) -> tuple[int, dict[torch.device, Tensor]]:
+    """A nested state's (dicts, lists, tensors, plain values) text hash, and its tensors' weighted ``[sum, sum of
+    squares]`` on each device they live on, not yet read; see the module."""
     total = 0
-    on_device: dict[torch.device, list[Tensor]] = {}
+    on_device: dict[torch.device, Tensor] = {}
     for path, leaf in _leaves("", value):
         weight = _path_weight(path)
         if isinstance(leaf, Tensor):
-            words_total, words_squares = _words_fingerprint(leaf)
-            sums = on_device.get(words_total.device)
-            if sums is None:
-                on_device[words_total.device] = [words_total * weight, words_squares * weight]
-            else:
-                sums[0] += words_total * weight
-                sums[1] += words_squares * weight
+            sums = torch.stack(_words_fingerprint(leaf)) * weight
+            on_device[sums.device] = on_device[sums.device] + sums if sums.device in on_device else sums
         else:
             total = (total + weight * _text_hash(path, leaf)) & _MASK
-    squares = 0
-    for device_total, device_squares in on_device.values():
-        total = (total + int(device_total.item())) & _MASK
-        squares = (squares + int(device_squares.item())) & _MASK
-    return [total, squares]
+    return total, on_device
 
 
 def _words_fingerprint(tensor: Tensor) -> tuple[Tensor, Tensor]:

@@ -154,7 +154,7 @@ class LastStepCheck:
             raise JobAlreadyFinished(report.step, message)
         # Every group of the quorum decides alike, or one would commit the last step and another take it again: each
         # reads the lighthouse at its own moment, and an outsider's heartbeat may lapse between two reads.
-        if not _any_defers(manager, verdict is not None):
+        if not _any_defers(manager, verdict is not None, self._trainer.strategy.root_device):
             self._deferring_since, self._deferrals = None, 0
             return True
         verdict = verdict if verdict is not None else LastVote(heartbeating=())
@@ -205,10 +205,10 @@ class LastStepCheck:
         return verdict
 
 
-def _any_defers(manager: Manager, defers: bool) -> bool:
+def _any_defers(manager: Manager, defers: bool, device: torch.device) -> bool:
     """Whether any group of the quorum takes its last step again: a sum over the quorum's process group (every rank
-    of a group holds its group's verdict). A failed exchange counts as a deferral: the step is not committed
-    anywhere it failed, and is taken again."""
-    flag = torch.tensor([1.0 if defers else 0.0])
+    of a group holds its group's verdict; on ``device``, where that process group runs). A failed exchange counts
+    as a deferral: the step is not committed anywhere it failed, and is taken again."""
+    flag = torch.tensor([1.0 if defers else 0.0], device=device)
     manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()
     return manager.errored() is not None or bool(flag.item() > 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable
 from lightning_ft.manager.quorum_members import QuorumMembers
@@ -79,6 +80,7 @@ def make_check(
     page, reports=None, global_step=19, max_steps=20, clock=lambda: 0.0, group=0, max_retries=None, **trainer_fields
 ):
     fields = dict(max_steps=max_steps, global_step=global_step, max_epochs=None, current_epoch=0) | trainer_fields
+    fields.setdefault("strategy", SimpleNamespace(root_device=torch.device("cpu")))
     trainer = SimpleNamespace(**fields)
     settings = SimpleNamespace(
         lighthouse="http://lighthouse",
