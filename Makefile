@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra compat test-repeat lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
+.PHONY: demo test test-extra compat test-repeat lightning-suite lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
     bench-gpu bench-kill-loop bench-data-modes bench-smoke fault-matrix
 
 $(STAMP): pyproject.toml constraints.txt
@@ -38,6 +38,14 @@ compat:
 # Example: make test-repeat ARGS="--runs 3 --busy 2"
 test-repeat: $(STAMP)
 	$(BIN)/python tests/repeat.py $(ARGS)
+
+# Lightning's own tests, as they are and under FTStrategy (docs/lightning-compatibility.md), with the record of what
+# differs in tests/records/lightning_suite/. LIGHTNING_TESTS: the tests/ folder of Lightning's sources at the installed
+# version's tag, brought in by hand (CI has no network). About 15 minutes on 2 CPU cores.
+# Example: make lightning-suite LIGHTNING_TESTS=../pytorch-lightning/tests ARGS="--source-tag 2.6.5"
+lightning-suite: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[lightning-suite]"
+	$(BIN)/python tests/lightning_suite/run.py --lightning-tests $(LIGHTNING_TESTS) $(ARGS)
 
 # The benchmarks (docs/benchmarks.md; benchmarks/README.md maps every table to its target, results and renderer). Each
 # driver is a module run from the repository root, `python -m benchmarks.<section>.<driver>`, and writes a new file

@@ -34,6 +34,7 @@ from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
+from lightning_ft.start.decision import JobAlreadyFinished
 from lightning_ft.start.job_settings import JobContractError
 from lightning_ft.strategy import FTStrategy
 
@@ -50,6 +51,7 @@ __all__ = [
     "Failure",
     "FailureInjector",
     "FaultToleranceMonitor",
+    "JobAlreadyFinished",
     "JobContractError",
     "JobShard",
     "LighthouseUnavailableError",

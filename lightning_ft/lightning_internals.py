@@ -33,6 +33,8 @@ schedulers``, ``._loaded_checkpoint``
                                            exactly-once batch is checked
 ``LightningModule._device_mesh``           FSDP2's group mesh, as ModelParallelStrategy a settable ``device_mesh``
                                            sets it
+``Trainer._val_check_time_interval``         a validation cadence given as a duration     a public
+                                           (compared, refused across groups)            ``val_check_interval``
 ``ModelCheckpoint._enable_version_counter`` one file name per step across replica      the ``enable_version_counter``
                                            groups                                       argument, settable
 ``overrides.distributed._sync_module_states``, FSDP2 setup as Lightning's strategies do  public setup helpers
@@ -190,3 +192,9 @@ VERSION_COUNTER = "_enable_version_counter"  # ModelCheckpoint's attribute (set 
 def version_counter_on(callback: ModelCheckpoint) -> bool:
     """Whether a ModelCheckpoint adds ``-v1`` to a file name that exists."""
     return bool(getattr(callback, VERSION_COUNTER))
+
+
+def val_check_time_interval(trainer: pl.Trainer) -> float | None:
+    """The validation cadence in seconds, when ``val_check_interval`` was given as a duration (else None)."""
+    seconds = getattr(trainer, "_val_check_time_interval", None)
+    return float(seconds) if seconds is not None else None

@@ -166,3 +166,20 @@ def name_checkpoints_alike(patches: LoopPatches, trainer: pl.Trainer) -> None:
                 "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
                 "must give a checkpoint the same name."
             )
+
+
+def version_against_other_runs(patches: LoopPatches, trainer: pl.Trainer, wrote: Callable[[str], bool]) -> None:
+    """Keep ``ModelCheckpoint``'s version counter for files of other runs only (one replica group of a run a launcher
+    can restart): a restart of the run writes its checkpoints under the names it wrote them before (``wrote``, from
+    the run's record), as a resume into its own directory does, while a file of an earlier run in the folder is kept
+    and the new one named ``-v1``, as Lightning names it."""
+
+    def make(original: Callable[..., bool]) -> Callable[..., bool]:
+        def exists_from_another_run(filepath: str, trainer: pl.Trainer) -> bool:
+            return original(filepath, trainer) and not wrote(filepath)
+
+        return exists_from_another_run
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and lightning.version_counter_on(callback):
+            patches.wrap(callback, "file_exists", make)

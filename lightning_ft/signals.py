@@ -36,6 +36,10 @@ SIGTERM_GRACE_SECONDS = 5.0
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
+# The watcher stops as soon as it reads the end of its pipe.
+WATCHER_STOP_TIMEOUT_S = 5.0
+
+
 class SigtermDeadline:
     """Installs the bounded-exit SIGTERM handling; ``uninstall`` restores what was there before."""
 
@@ -47,6 +51,14 @@ class SigtermDeadline:
         # Both the main thread's handler (an immediate exit) and the watcher announce; the first one does it, whole.
         self._announce_lock = threading.RLock()
         self._announced = False
+        self._watcher: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Uninstalled, whatever it was: a pickled strategy is a copy at rest, which installs its own when it fits."""
+        return {"grace_seconds": self.grace_seconds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["grace_seconds"])  # type: ignore[misc]  # the one way to build its parts
 
     def install(self) -> None:
         if self._write_fd is not None or threading.current_thread() is not threading.main_thread():
@@ -58,7 +70,8 @@ class SigtermDeadline:
         signal.signal(signal.SIGTERM, self._handle)
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._write_fd = write_fd
-        threading.Thread(target=self._watch, args=(read_fd,), name="lightning-ft-sigterm", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="lightning-ft-sigterm", daemon=True)
+        self._watcher.start()
         if ENV_TORCHRUN_RUN_ID in os.environ and (ask := signal_on_parent_death(signal.SIGTERM)) is not None:
             # The parent now is this process's torchrun agent, unless the agent died during this process's start-up
             # (its parent is then init or a subreaper, which is not noticed here).
@@ -72,6 +85,9 @@ class SigtermDeadline:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         os.close(self._write_fd)  # the watcher reads end-of-file and stops
         self._write_fd = None
+        if self._watcher is not None:  # at once: a fit leaves no thread behind
+            self._watcher.join(timeout=WATCHER_STOP_TIMEOUT_S)
+            self._watcher = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous_handler

@@ -61,12 +61,12 @@ from lightning_ft.settings import (
 )
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.contract import install_contract_check
-from lightning_ft.start.job_settings import strategy_contract
+from lightning_ft.start.job_settings import refuse_group_local_settings, strategy_contract
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook, install_ddp_cross_group_hook
-from lightning_ft.step.modes import check_optimizers
+from lightning_ft.step.modes import check_nothing_unfrozen, check_optimizers
 from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft_job import events
@@ -241,6 +241,10 @@ class FTStrategy(DDPStrategy):
         self._exactly_once = ExactlyOnceTraining()
         # The job's record through the latest fit; kept after it, so that a save after fit() is recorded as well.
         self._lifecycle: GroupLifecycle | None = None
+        # Whether the model had no trainable parameter when the fit wrapped it (it then stays unwrapped).
+        self._frozen_at_start = False
+        # The job-shard variables as they were before this fit published its own (restored at teardown).
+        self._environment_before: dict[str, str | None] | None = None
 
     @classmethod
     @override
@@ -329,11 +333,11 @@ class FTStrategy(DDPStrategy):
     def is_checkpoint_writer(self) -> bool:
         """Whether this process writes the job's global checkpoints: rank 0 of the lowest-numbered group taking part
         in the current quorum (the duty moves on when that group dies; a healing group never writes). Outside
-        fitting, group 0's rank 0."""
+        fitting, and in a job of one group, group 0's rank 0."""
         if self.global_rank != 0:
             return False
-        if self._handle is None or self._protocol is None:
-            return self.settings.replica_group_id == 0
+        if self._handle is None or self._protocol is None or self.num_replica_groups == 1:  # a job of one group:
+            return self.settings.replica_group_id == 0  # its rank 0, before the first quorum too (Tuner.lr_find)
         return self._handle.manager.participating_rank() == 0
 
     def start_quorum(self) -> None:
@@ -354,9 +358,7 @@ class FTStrategy(DDPStrategy):
         of group 0 only, as global rank 0 in plain DDP (every group's rank 0 would share one logger directory). Data
         code learns its job-wide shard from :func:`lightning_ft.job_shard`."""
         super().set_world_ranks()
-        shard = self.job_shard
-        rank_zero_only.rank = utilities_rank_zero_only.rank = shard.rank  # type: ignore[attr-defined]  # Lightning's own rank-zero attribute
-        publish_job_shard(shard)
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.job_shard.rank  # type: ignore[attr-defined]  # Lightning's own rank-zero attribute
 
     @property
     def job_shard(self) -> JobShard:
@@ -403,11 +405,16 @@ class FTStrategy(DDPStrategy):
         trainer = self._module.trainer
         super().setup_environment()
         self._in_group.setup_environment(self)
+        if self._environment_before is None:  # for this fit (validate, test) and its DataLoader workers only
+            self._environment_before = publish_job_shard(self.job_shard)
         if trainer.state.fn not in _RUNS_A_MANAGER:
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
         run = self.broadcast(events.run_id())  # the group's ranks agree on rank 0's (Lightning's launcher sets none)
-        events.configure(self.settings.replica_group_id, self.global_rank, trainer.default_root_dir, run)
+        # The event log is the run's: under default_root_dir when a launcher gave the run an id (its restarts read
+        # the run's end there); a fit no launcher started writes one only where LIGHTNING_FT_EVENTS_DIR asks.
+        log_root = trainer.default_root_dir if events.given_run_id() else None
+        events.configure(self.settings.replica_group_id, self.global_rank, log_root, run)
         if fitting:  # before this group registers with the lighthouse
             self._lifecycle = GroupLifecycle(trainer, self.settings, self.global_rank, self.broadcast, run)
             self._lifecycle.exit_if_job_finished(trainer)
@@ -426,7 +433,10 @@ class FTStrategy(DDPStrategy):
                     sharded=self.data_parallel.sharded,
                 )
             add_default_callbacks(
-                trainer, semi_sync=self.algorithm.semi_sync, exactly_once=self.data_mode == "exactly_once"
+                trainer,
+                semi_sync=self.algorithm.semi_sync,
+                exactly_once=self.data_mode == "exactly_once",
+                several_groups=self.num_replica_groups > 1,
             )
             events.emit(
                 "started", attempt=torchrun_restart_count(), ppid=os.getppid(), replica_groups=self.num_replica_groups
@@ -458,6 +468,15 @@ class FTStrategy(DDPStrategy):
         )
 
     @override
+    def _configure_launcher(self) -> None:
+        """A group of one process has nothing to launch; Lightning's launcher would still start a process observer
+        that watches no process and outlives the fit (a thread per fit)."""
+        if self.num_processes == 1 and self.num_nodes == 1:
+            self._launcher = None
+            return
+        super()._configure_launcher()
+
+    @override
     def setup_distributed(self) -> None:
         """A one-process group's store binds a free port itself: a ``MASTER_PORT`` chosen by torchrun or Lightning
         may be taken before this process, after its imports, binds it (EADDRINUSE, a wasted restart)."""
@@ -479,11 +498,15 @@ class FTStrategy(DDPStrategy):
         self._in_group.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_optimizers(self.optimizers, semi_sync=self.algorithm.semi_sync)
+            refuse_group_local_settings(trainer, self.num_replica_groups)
             if self.algorithm.semi_sync:  # LR schedulers follow inner steps, which always happen
                 warn_unsynced_tail(self.algorithm, trainer.max_steps)
             else:
                 loop_patches.settle_each_step(self._patches, trainer, self.step_owner)
-            loop_patches.name_checkpoints_alike(self._patches, trainer)
+            if self.num_replica_groups > 1:
+                loop_patches.name_checkpoints_alike(self._patches, trainer)
+            elif self._lifecycle is not None and self._lifecycle.record.exists:
+                loop_patches.version_against_other_runs(self._patches, trainer, self._lifecycle.record.wrote)
             loop_patches.summarize_the_model_once(self._patches, trainer)
             if self.data_mode == "exactly_once":
                 self._exactly_once.prepare(trainer, self._patches)
@@ -496,8 +519,19 @@ class FTStrategy(DDPStrategy):
         return fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.before_cross_group_allreduce)
 
     @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:  # or the model as it is
+        """torch's DDP refuses a model none of whose parameters requires a gradient (a model frozen at the start):
+        it then stays unwrapped, with nothing to average, as on Lightning's single device."""
+        if not any(parameter.requires_grad for parameter in model.parameters()):
+            self._frozen_at_start = True
+            return model  # type: ignore[return-value]
+        self._frozen_at_start = False
+        return super()._setup_model(model)
+
+    @override
     def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # frozen at the start: no gradient to average
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
         self._comm_state = install_ddp_cross_group_hook(self.model, self.manager, self.step_protocol, self.world_size)
@@ -550,9 +584,11 @@ class FTStrategy(DDPStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Semi-synchronously an inner step, group-local and always taken (the syncs commit or not); otherwise the
-        step owner's: the closure runs, the groups vote, the optimizer steps only on a commit."""
-        if self.algorithm.semi_sync:
+        """Semi-synchronously an inner step, group-local and always taken (the syncs commit or not); while fitting
+        otherwise, the step owner's: the closure runs, the groups vote, the optimizer steps only on a commit."""
+        if self._frozen_at_start and self.job_shard.world_size > 1:
+            check_nothing_unfrozen(self._module)
+        if self.algorithm.semi_sync or self._step is None:  # outside a fit, a step is the group's own, as in DDP
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self._module
         assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
@@ -606,7 +642,9 @@ class FTStrategy(DDPStrategy):
         step = int(checkpoint.get("global_step", 0))
         if self._lifecycle is not None and self._lifecycle.refuses_save(filepath, step, self.is_checkpoint_writer):
             return
-        save_own_position(checkpoint, filepath, self.replica_group_id, self.global_rank)
+        save_own_position(
+            checkpoint, filepath, self.replica_group_id, self.global_rank, is_writer=self.is_checkpoint_writer
+        )
         if self.is_checkpoint_writer:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             if self._lifecycle is not None:
@@ -646,7 +684,9 @@ class FTStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        forget_job_shard()
+        if self._environment_before is not None:
+            forget_job_shard(self._environment_before)
+            self._environment_before = None
         self._sigterm_deadline.uninstall()
         self._patches.undo()
         self._collectives = None

@@ -1,15 +1,16 @@
 """A machine-readable event log of what fault tolerance did: one JSON object per line, per process.
 
-On by default. Each process appends to ``<dir>/group<G>.rank<R>.jsonl``, where ``<dir>`` is
+For a launched run, on by default. Each process appends to ``<dir>/group<G>.rank<R>.jsonl``, where ``<dir>`` is
 
 * ``LIGHTNING_FT_EVENTS_DIR`` when it is set (``lightning-ft launch --events-dir`` sets it): exactly that directory,
   the caller's choice; set but empty turns the log off;
-* otherwise ``<Trainer.default_root_dir>/ft_events/<run id>``: one directory per run, the same for every replica group
-  and every restart of the run, and never a previous run's. The run id (:func:`run_id`) is ``LIGHTNING_FT_RUN_ID``
-  (``lightning-ft launch`` sets one per job; recipes that start groups elsewhere set their scheduler's job id), else
-  torchrun's run id (``--rdzv-id``, ``--standalone``: the same for every restart of one torchrun job), else a new id
-  per fit; the ranks of a group take their rank 0's (``FTStrategy`` broadcasts it: Lightning's own launcher of
-  several processes sets no run id).
+* otherwise, when a launcher gave the run an id, ``<Trainer.default_root_dir>/ft_events/<run id>`` (a fit that no
+  launcher started, in a script, a notebook or a test, writes no log unless asked): one directory per run, the same for
+  every replica group and every restart of the run, and never a previous run's. The run id (:func:`run_id`) is
+  ``LIGHTNING_FT_RUN_ID`` (``lightning-ft launch`` sets one per job; recipes that start groups elsewhere set their
+  scheduler's job id), else torchrun's run id (``--rdzv-id``, ``--standalone``: the same for every restart of one
+  torchrun job), else a new id per fit; the ranks of a group take their rank 0's (``FTStrategy`` broadcasts it:
+  Lightning's own launcher of several processes sets no run id).
 
 (Not the logger's version directory itself: each restart of a group numbers its logger versions on its own, so one
 run's log would be scattered over ``version_0``, ``version_1``, ... Instead the process that owns the loggers, rank 0
@@ -56,15 +57,20 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def run_id() -> str:
-    """The id of the run this process belongs to, the same in every group and restart of the run when the launcher
-    gives one: ``LIGHTNING_FT_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder
-    ``none``), else a new one for this fit."""
+def given_run_id() -> str | None:
+    """The run id a launcher gave this process, the same in every group and restart of the run:
+    ``LIGHTNING_FT_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder ``none``); None
+    for a process nobody will start again as part of the same run (a plain script, a notebook)."""
     for variable in (ENV_RUN_ID, ENV_TORCHRUN_RUN_ID):
         value = os.environ.get(variable, "").strip()
         if value and value != "none":
             return value.replace(os.sep, "_")
-    return f"{new_run_id()}-{os.getpid()}-{next(_fits)}"
+    return None
+
+
+def run_id() -> str:
+    """The id of the run this process belongs to: :func:`given_run_id`, else a new one for this fit."""
+    return given_run_id() or f"{new_run_id()}-{os.getpid()}-{next(_fits)}"
 
 
 def resolve_directory(default_root_dir: str | os.PathLike[str] | None, run: str | None = None) -> Path | None:

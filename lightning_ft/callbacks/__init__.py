@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once: bool) -> None:
+def add_default_callbacks(
+    trainer: pl.Trainer, *, semi_sync: bool, exactly_once: bool, several_groups: bool = True
+) -> None:
     """Put the FT callbacks first, unless the user supplied their own instance (or a subclass) of each.
 
     The quorum callback (or, semi-synchronously, the sync callback) before DisjointDataCheck, which gathers on the
@@ -53,7 +55,8 @@ def add_default_callbacks(trainer: pl.Trainer, *, semi_sync: bool, exactly_once:
         StateTransferCallback,
         ManagerCheckpointCallback,
         FaultToleranceMonitor,
-        *([] if semi_sync else [ReplicaConsistencyCheck]),  # semi-sync replicas differ between syncs by design
+        # Semi-sync replicas differ between syncs by design; a job of one group has nothing to compare.
+        *([ReplicaConsistencyCheck] if several_groups and not semi_sync else []),
     ]
     missing = [cls() for cls in defaults if not any(isinstance(cb, cls) for cb in trainer.callbacks)]  # type: ignore[attr-defined]  # set by Lightning's callback connector
     trainer.callbacks[0:0] = missing  # type: ignore[attr-defined]

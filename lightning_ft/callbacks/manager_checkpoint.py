@@ -33,6 +33,18 @@ class ManagerCheckpointCallback(Callback):
         return {"manager": dict(ft_manager(self._trainer).state_dict())}
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint without the Manager's state (one Lightning wrote without FTStrategy, or ``save_checkpoint``
+        after the fit, when the Manager is gone): its ``global_step`` is the committed step, and the count of committed
+        batches is taken as one participant per step."""
+        if self.state_key in checkpoint.get("callbacks", {}) or not has_ft_manager(trainer):
+            return
+        step = int(checkpoint.get("global_step", 0))
+        ft_manager(trainer).load_state_dict({"step": step, "batches_committed": step})
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "manager" in state_dict and self._trainer is not None and has_ft_manager(self._trainer):
             ft_manager(self._trainer).load_state_dict(state_dict["manager"])

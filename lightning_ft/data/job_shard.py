@@ -56,16 +56,23 @@ def job_shard() -> JobShard:
     return JobShard(0, 1)
 
 
-def publish_job_shard(shard: JobShard) -> None:
-    """Make :func:`job_shard` answer ``shard`` in this process and in every process it starts from now on."""
+def publish_job_shard(shard: JobShard) -> dict[str, str | None]:
+    """Make :func:`job_shard` answer ``shard`` in this process and in every process it starts from now on (the
+    DataLoader workers of the fit). Returns what the variables held before, for :func:`forget_job_shard`."""
+    previous = {name: os.environ.get(name) for name in (ENV_JOB_RANK, ENV_JOB_WORLD_SIZE)}
     os.environ[ENV_JOB_RANK] = str(shard.rank)
     os.environ[ENV_JOB_WORLD_SIZE] = str(shard.world_size)
+    return previous
 
 
-def forget_job_shard() -> None:
-    """After the strategy's teardown: :func:`job_shard` answers from torch.distributed again."""
-    os.environ.pop(ENV_JOB_RANK, None)
-    os.environ.pop(ENV_JOB_WORLD_SIZE, None)
+def forget_job_shard(previous: dict[str, str | None]) -> None:
+    """After the strategy's teardown: the variables as they were before :func:`publish_job_shard`, so that a fit
+    leaves the process environment as it found it."""
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def fit_sampler_to_job(dataloader: object, job: JobShard, group: JobShard) -> None:

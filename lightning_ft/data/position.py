@@ -166,7 +166,24 @@ def resume_fetcher(trainer: pl.Trainer, fetcher: lightning.DataFetcher, plan: Re
         fetcher.fetched += position
         if fetcher.length is not None:
             fetcher.done = fetcher.fetched >= fetcher.length
-    else:
+    elif position or _order_depends_on_epoch(combined_loader.flattened):
         iter(fetcher)
         skip_batches(fetcher, position)
+    # Otherwise Lightning's iterator already starts the epoch in its order: a new one would drop the batch it has
+    # fetched ahead, which a stream (a queue, a socket) cannot give again.
     return position
+
+
+def _order_depends_on_epoch(loaders: list[Any]) -> bool:
+    """Whether any loader's order follows ``set_epoch`` (its sampler's, its batch sampler's or its dataset's), as
+    Lightning's ``_set_sampler_epoch`` looks for it."""
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        parts = (
+            getattr(loader, "sampler", None),
+            getattr(batch_sampler, "sampler", None),
+            getattr(loader, "dataset", None),
+        )
+        if any(callable(getattr(part, "set_epoch", None)) for part in parts):
+            return True
+    return False

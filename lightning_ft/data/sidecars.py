@@ -1,8 +1,9 @@
 """Each rank's own data position, saved beside every checkpoint.
 
 A checkpoint file is written by one process only (see ``FTStrategy.is_checkpoint_writer``), so its
-``StatefulDataLoader`` state is the writer's: the position in *another* group's shard for everyone else. Every rank
-of every group therefore also writes a small *sidecar* next to the checkpoint::
+``StatefulDataLoader`` state is the writer's, which the file says (``checkpoint["lightning_ft"]["data_position_of"]``):
+the position in *another* group's shard for everyone else. Every other rank of every group therefore writes a small
+*sidecar* next to the checkpoint (a one-process job writes none: its folder holds what Lightning's holds)::
 
     <checkpoint>.data/group<G>.rank<R>.pt     e.g. checkpoints/last.ckpt.data/group1.rank0.pt
 
@@ -34,6 +35,9 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 SIDECAR_FORMAT = 1
 SIDECAR_DIR_SUFFIX = ".data"
+# The checkpoint's own entry for lightning-ft, and in it whose data position the checkpoint's loader state is.
+CHECKPOINT_KEY = "lightning_ft"
+POSITION_OF = "data_position_of"
 
 
 def sidecar_dir(checkpoint_path: lightning.PathLike) -> str:
@@ -87,9 +91,18 @@ def write_sidecar(sidecar: dict[str, Any], path: str) -> None:
 
 
 def save_own_position(
-    checkpoint: dict[str, Any], checkpoint_path: lightning.PathLike, replica_group_id: int, group_rank: int
+    checkpoint: dict[str, Any],
+    checkpoint_path: lightning.PathLike,
+    replica_group_id: int,
+    group_rank: int,
+    *,
+    is_writer: bool = False,
 ) -> None:
-    """Write this rank's sidecar for the checkpoint being saved at ``checkpoint_path``."""
+    """Keep this rank's data position for the checkpoint being saved at ``checkpoint_path``: in the checkpoint itself
+    for its writer (which says so in it), in a sidecar for every other rank."""
+    if is_writer:
+        checkpoint.setdefault(CHECKPOINT_KEY, {})[POSITION_OF] = [replica_group_id, group_rank]
+        return
     sidecar = sidecar_for(checkpoint, replica_group_id, group_rank)
     if sidecar is not None:
         write_sidecar(sidecar, sidecar_path(checkpoint_path, replica_group_id, group_rank))
@@ -117,6 +130,8 @@ def use_own_position(
     if fit_loop is None:
         return "counting"
     loop_state = fit_loop.setdefault("state_dict", {})
+    if checkpoint.get(CHECKPOINT_KEY, {}).get(POSITION_OF) == [replica_group_id, group_rank]:
+        return "loader_state" if loop_state.get("combined_loader") else "counting"  # this rank wrote it
     writers_loader_state = loop_state.pop("combined_loader", None)
     path = sidecar_path(checkpoint_path, replica_group_id, group_rank)
     sidecar, problem = _read_sidecar(path, weights_only)

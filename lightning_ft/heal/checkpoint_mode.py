@@ -32,6 +32,13 @@ class HealCheckpointMode:
     def __init__(self) -> None:
         self._thread = threading.local()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Closed, whatever it was (a pickled strategy, or a pickled callback that holds it, is a copy at rest)."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._thread = threading.local()
+
     @property
     def is_open(self) -> bool:
         return bool(getattr(self._thread, "open", False))

@@ -76,6 +76,10 @@ def streaming_load_once(stream: BinaryIO) -> object:
     return _load(zip_file=zip_file, map_location=None, pickle_module=_weights_only_unpickler, encoding="utf-8")
 
 
+# The serving loop stops within one poll once told to (it is poked awake at once, see stop_serving).
+SERVER_STOP_TIMEOUT_S = 5.0
+
+
 def stop_serving(server: ThreadingHTTPServer) -> None:
     """``server.shutdown()``, without its wait of up to half a second.
 
@@ -131,6 +135,14 @@ class CheckpointHTTPTransport(HTTPTransport):
         self._server = server_class((host, 0), handler)
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    @override
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop serving and release the port, whatever ``wait``: torchft 0.2's ``shutdown(wait=False)`` sets a flag
+        that its server never reads, so the serving thread and the listening socket outlived every fit."""
+        stop_serving(self._server)
+        self._server.server_close()
+        self._thread.join(timeout=SERVER_STOP_TIMEOUT_S)
 
     @override
     def address(self) -> str:

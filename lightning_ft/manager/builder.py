@@ -35,6 +35,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,11 +53,13 @@ from lightning_ft.heal.http_transport import CheckpointHTTPTransport
 from lightning_ft.manager.ft_manager import FTManager
 from lightning_ft.manager.group_claim import GroupClaimCheck
 from lightning_ft.manager.internals import (
+    abort_cross_group_process_group,
     install_client,
     left_behind_watch,
     lifetime_replica_id,
     manager_client,
     new_manager_client,
+    quorum_threads,
 )
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
@@ -70,6 +73,10 @@ from lightning_ft_job.addresses import is_loopback, numeric_host
 from lightning_ft_job.lighthouse_server import EmbeddedLighthouse, start_lighthouse
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+# How long a fit's teardown waits for torchft's quorum thread: a quorum request fails as soon as the ManagerServer it
+# waits on has stopped.
+QUORUM_THREAD_STOP_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -88,11 +95,24 @@ class ManagerHandle:
         watch = left_behind_watch(self.manager)
         if watch is not None:
             watch.shutdown()
-        self.manager.shutdown(wait=False)
+        threads = quorum_threads(self.manager)
+        self.manager.shutdown(wait=False)  # the ManagerServer stops: a quorum request still waiting on it fails
         if self.outage_client is not None:
             self.outage_client.shutdown()
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
+        deadline = time.perf_counter() + QUORUM_THREAD_STOP_TIMEOUT_S
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.perf_counter()))
+            if thread.is_alive():
+                log.warning(
+                    "lightning-ft: torchft's quorum thread did not stop within %.0f s of the Manager's shutdown; it "
+                    "ends with its quorum request (quorum_timeout)",
+                    QUORUM_THREAD_STOP_TIMEOUT_S,
+                )
+        with contextlib.suppress(Exception):  # a group that failed may already have aborted it
+            abort_cross_group_process_group(self.manager)  # its Gloo listener closes now, not when collected
+        self.store = None  # on group rank 0, the group's store server: its port closes with it
 
 
 def build_cross_group_process_group(settings: FTSettings, device: torch.device, hostname: str) -> ProcessGroup:

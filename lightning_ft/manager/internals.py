@@ -30,6 +30,9 @@ They take any Manager (or a test's stand-in with the same attributes):
 * :func:`quorum_in_place`: whether the Manager's latest quorum formed and nothing has failed on its process group
   since (``Manager._quorum_future``), for a sync section that can use it instead of asking the lighthouse again.
   Upstream hook: a public ``quorum_ready()``.
+* :func:`quorum_threads`: the threads of the Manager's quorum executor (``Manager._executor._threads``), which
+  ``Manager.shutdown(wait=False)`` leaves running; the handle joins them, bounded, so that a fit leaves no thread
+  behind. Upstream hook: a ``shutdown`` that waits for the quorum thread with a timeout.
 * :func:`lifetime_replica_id`: the replica id torchft registered for this process lifetime (``Manager._store``, under
   ``REPLICA_ID_KEY``), for :mod:`lightning_ft.manager.group_claim`. Upstream hook: a public ``replica_id()``.
 
@@ -39,6 +42,7 @@ The quorum id and the quorum observers are :class:`~lightning_ft.manager.ft_mana
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -71,6 +75,12 @@ def quorum_in_place(manager: Manager) -> bool:
     if future is None or not future.done() or future.exception() is not None:
         return False
     return manager.errored() is None
+
+
+def quorum_threads(manager: Manager) -> list[threading.Thread]:
+    """The Manager's quorum threads (at most one: torchft's executor has a single worker)."""
+    executor = getattr(manager, "_executor", None)
+    return list(getattr(executor, "_threads", ()))
 
 
 def lifetime_replica_id(manager: Manager) -> str:

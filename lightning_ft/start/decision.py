@@ -5,8 +5,9 @@ initial (or stale) weights as if it were the whole job: a second model, silently
 process and before the first quorum, on the group's rank 0 (the decision is broadcast in the group):
 
 1. **After the end.** If a group of this run reported the run's end (:mod:`lightning_ft_job.run_end`), or the job's
-   record (:mod:`lightning_ft.start.record`) says it finished under the same limits, the group exits 0 at once
-   (:class:`JobAlreadyFinished`), before it registers with the lighthouse: no training, no logging, no checkpoint.
+   record (:mod:`lightning_ft.start.record`) says it finished under the same limits, the group stops at once
+   (:class:`JobAlreadyFinished`, which ends an uncaught process with exit code 0), before it registers with the
+   lighthouse: no training, no logging, no checkpoint.
    This holds whatever engine started it, and it is checked again on every poll of the wait below: a group restarted
    just before its peers finished learns of the end while it waits, instead of waiting ``start_timeout`` for peers
    that are gone.
@@ -34,10 +35,13 @@ read, the group warns once and starts without waiting.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
@@ -50,14 +54,39 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 POLL_INTERVAL_S = 0.2
 
 
-class JobAlreadyFinished(SystemExit):
-    """The job this group belongs to has already finished, at committed step ``step``: the group exits 0 without
-    training (``message``: the one line it printed)."""
+class JobAlreadyFinished(LightningFTError):
+    """The run this group belongs to has already finished, at committed step ``step``, so the group did not train (or
+    did not take the last step): ``message`` is the one line it printed.
+
+    A caller may catch it like any exception. Left uncaught, it ends the process with exit code 0, not 1: an engine
+    that started the group again after the end (torchrun, a scheduler) then counts the group as done instead of
+    starting it once more (:func:`job_already_finished`).
+    """
 
     def __init__(self, step: int, message: str) -> None:
-        super().__init__(0)
+        super().__init__(message)
         self.step = step
         self.message = message
+
+
+def job_already_finished(step: int, message: str) -> JobAlreadyFinished:
+    """The exception to raise, with the process made to exit 0 should nobody catch it: Python ends a program with an
+    uncaught exception by calling ``sys.excepthook`` and then exiting 1; the hook installed here (once, ahead of the
+    one it finds) exits 0 for this exception after printing its line, and passes any other one on."""
+    previous = sys.excepthook
+    if not getattr(previous, "_lightning_ft_exits_zero", False):
+
+        def exit_zero_when_finished(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+            if isinstance(value, JobAlreadyFinished):
+                sys.stderr.write(f"{value.message}\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(0)
+            previous(kind, value, traceback)
+
+        exit_zero_when_finished._lightning_ft_exits_zero = True  # type: ignore[attr-defined]
+        sys.excepthook = exit_zero_when_finished
+    return JobAlreadyFinished(step, message)
 
 
 class NoLivePeerError(LightningFTError, RuntimeError):

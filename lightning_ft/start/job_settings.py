@@ -27,10 +27,11 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
+from lightning_ft import lightning_internals as lightning
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.errors import LightningFTError
 from lightning_ft.hsdp.data_parallel import DataParallelSettings
-from lightning_ft.settings import FTSettings
+from lightning_ft.settings import FTConfigError, FTSettings
 
 # The key of the job's settings among the states a heal carries (torchft's user state dict).
 CONTRACT_KEY = "lightning_ft_job_contract"
@@ -91,7 +92,9 @@ def describe_job(trainer: pl.Trainer, strategy_settings: dict[str, Any]) -> JobC
         "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
         "train batch size": _batch_sizes(trainer.train_dataloader),
         "train batches per epoch": trainer.num_training_batches,
-        "val_check_interval": trainer.val_check_interval,
+        # A duration leaves Lightning's batch interval unset (its seconds are kept apart).
+        "val_check_interval": getattr(trainer, "val_check_interval", None),
+        "val_check_interval seconds": lightning.val_check_time_interval(trainer),
         "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
         "limit_val_batches": trainer.limit_val_batches,
         "model structure": _model_structure(trainer.lightning_module),
@@ -209,5 +212,18 @@ def _stateful_callbacks(trainer: pl.Trainer) -> list[str]:
         if isinstance(callback, (*MAY_DIFFER_CALLBACKS, Timer)):  # Timer: compared as max_time
             continue
         if callback.state_dict() or is_overridden("on_save_checkpoint", callback, pl.Callback):
-            keys.append(callback.state_key)
+            keys.append(str(callback.state_key))  # a key is any hashable (a type, for Lightning's own tests)
     return sorted(keys)
+
+
+def refuse_group_local_settings(trainer: pl.Trainer, num_replica_groups: int) -> None:
+    """Raise :class:`~lightning_ft.settings.FTConfigError` for a Lightning setting that each group would apply on its
+    own, at a different step, in a job of several groups: a validation cadence given as a duration (each group's clock
+    would start validation, a job-wide section, at another step)."""
+    seconds = lightning.val_check_time_interval(trainer)
+    if num_replica_groups > 1 and seconds is not None:
+        raise FTConfigError(
+            f"lightning-ft: Trainer(val_check_interval=...) is a duration ({seconds:g} s): each replica group would "
+            f"validate when its own clock says, at another step than its peers, while validation runs in step across "
+            f"the job. Give val_check_interval as a number of batches (an int) or a fraction of the epoch."
+        )

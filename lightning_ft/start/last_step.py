@@ -44,7 +44,7 @@ from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft.manager.quorum_members import quorum_groups
 from lightning_ft.settings import FTSettings
-from lightning_ft.start.decision import JobAlreadyFinished
+from lightning_ft.start.decision import job_already_finished
 from lightning_ft_job import events
 from lightning_ft_job.run_end import GroupFinished
 
@@ -151,7 +151,7 @@ class LastStepCheck:
             )
             log.warning(message)
             events.emit("job_already_finished", step=report.step, directory=None, run=report.run_id)
-            raise JobAlreadyFinished(report.step, message)
+            raise job_already_finished(report.step, message)
         # Every group of the quorum decides alike, or one would commit the last step and another take it again: each
         # reads the lighthouse at its own moment, and an outsider's heartbeat may lapse between two reads.
         if not _any_defers(manager, verdict is not None, self._trainer.strategy.root_device):

@@ -19,13 +19,13 @@ from lightning_ft import lightning_internals as lightning
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft.start.decision import (
-    JobAlreadyFinished,
     NoLivePeerError,
     StartContext,
     StartDecision,
     already_finished_message,
     decide_start,
     finished_job,
+    job_already_finished,
     run_ended_message,
 )
 from lightning_ft.start.last_step import LastStepCheck
@@ -57,7 +57,9 @@ class GroupLifecycle:
         broadcast: Callable[[Any], Any],
         run_id: str,
     ) -> None:
-        self.record = JobRecord(durable_checkpoint_dirs(trainer))
+        # Only a run that a launcher can start again keeps a record: nobody would read a one-off fit's.
+        restartable = events.given_run_id() is not None
+        self.record = JobRecord(durable_checkpoint_dirs(trainer) if restartable else [], run_id)
         self._settings = settings
         self._group_rank = group_rank
         self._broadcast = broadcast
@@ -97,11 +99,22 @@ class GroupLifecycle:
         answer = self._broadcast(answer)
         if answer is not None:
             self._exit_finished(*answer)
+        if self._group_rank == 0:
+            for directory, other in self.record.other_runs().items():
+                log.warning(
+                    "lightning-ft: %s holds the checkpoints of run %s; this run (%s) trains the model it was given and "
+                    "does not resume them. To continue that job instead, pass ckpt_path='last' to fit, or start "
+                    "every group with LIGHTNING_FT_RUN_ID=%s.",
+                    directory,
+                    other,
+                    self._run_id,
+                    other,
+                )
 
     def _exit_finished(self, step: int, message: str, directory: str) -> None:
         log.warning(message)
         events.emit("job_already_finished", step=step, directory=directory or None, run=self._run_id)
-        raise JobAlreadyFinished(step, message)
+        raise job_already_finished(step, message)
 
     def start_where_the_job_is(self, trainer: pl.Trainer, protocol: StepProtocol, patches: LoopPatches) -> None:
         """Wait for a coherent start, then make sure this group never trains from a state older than the job's:

@@ -1,21 +1,28 @@
 """The job's durable record: which checkpoint is its newest, and whether it has finished.
 
-A group that starts or restarts while no live peer is ahead of it must not train from its own initial or stale
-state as if it were the whole job (one job, one model). The only state that outlives every group is on disk, in the
-job's checkpoint directory, so that is where the job keeps a small record beside its checkpoints, in
+A group that restarts while no live peer is ahead of it must not train from its own initial or stale state as if it
+were the whole job (one job, one model). The only state that outlives every group is on disk, in the job's
+checkpoint directory, so that is where a run keeps a small record beside its checkpoints, in
 ``<dirpath>/.lightning_ft/``:
 
-* ``checkpoints.json``: the committed step of every checkpoint file written, updated by the checkpoint writer after
-  each save. It names the job's newest checkpoint, and it is what keeps checkpoints moving forward: a save at a
+* ``checkpoints.json``: the committed step of every checkpoint file the run wrote, updated by the checkpoint writer
+  after each save. It names the run's newest checkpoint, and it is what keeps checkpoints moving forward: a save at a
   lower committed step than the newest one (a group that trained from older state, a stale writer) is refused.
 * ``finished.json``: written by each group's rank 0 when its fit ends normally (``max_steps``, ``max_epochs``, or a
-  job-wide stop such as ``EarlyStopping``). A group that starts after that, under the same limits, exits at once.
+  job-wide stop such as ``EarlyStopping``). A group of the run that starts after that, under the same limits,
+  stops at once.
+
+**The job is the run, not the folder.** Both files name the run that wrote them (its run id,
+:func:`lightning_ft_job.events.given_run_id`), and a group reads only its own run's: a restart of the run (torchrun,
+a launcher, a requeued scheduler job with the same ``LIGHTNING_FT_RUN_ID``) resumes and ends with it; a new run in
+the same folder trains the model it is given, as Lightning does, unless the user asks to resume (``ckpt_path``, or
+the old run's id). A run without a given id (a plain ``fit`` in a script, a notebook or a sweep) has no later lifetime
+to read a record, so it keeps none: its checkpoint folder holds what Lightning's holds.
 
 Which directories: those of the ``ModelCheckpoint`` callbacks whose directory is the same for every group, every
 restart and every relaunch: an explicit ``dirpath``, or ``<default_root_dir>/checkpoints`` when the Trainer has no
 logger. (With a logger and no ``dirpath``, Lightning puts checkpoints under the logger's version directory, which
-each process numbers on its own: no group could find another lifetime's files there.) A directory therefore holds
-one job: to train a new model, use a new directory.
+each process numbers on its own: no group could find another lifetime's files there.)
 
 Files are written to a temporary name and renamed, so a reader never sees half a record; only local or mounted
 paths are supported (a remote ``dirpath`` such as ``s3://`` keeps no record).
@@ -80,10 +87,31 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 class JobRecord:
-    """The durable record kept in the job's checkpoint directories (none: the job keeps no record)."""
+    """One run's durable record, kept in its checkpoint directories (none: the run keeps no record).
 
-    def __init__(self, directories: Iterable[str | os.PathLike[str]]) -> None:
+    Args:
+        directories: The run's durable checkpoint directories (:func:`durable_checkpoint_dirs`).
+        run: The run's id; only this run's entries are read, and a save replaces another run's record.
+    """
+
+    def __init__(self, directories: Iterable[str | os.PathLike[str]], run: str = "") -> None:
         self.directories: list[Path] = sorted({Path(directory) for directory in directories})
+        self.run = run
+
+    def _own(self, data: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``data`` if this run wrote it (a record from before runs were named counts as any run's)."""
+        if data is None or data.get("run", self.run) != self.run:
+            return None
+        return data
+
+    def other_runs(self) -> dict[Path, str]:
+        """The directories whose record another run wrote, with that run's id: a new run in a used folder."""
+        others = {}
+        for directory in self.directories:
+            data = _read_json(directory / RECORD_SUBDIR / CHECKPOINTS_FILE)
+            if data is not None and data.get("run", self.run) != self.run and data.get("files"):
+                others[directory] = str(data["run"])
+        return others
 
     @property
     def exists(self) -> bool:
@@ -91,7 +119,7 @@ class JobRecord:
         return bool(self.directories)
 
     def _steps(self, directory: Path) -> dict[str, int]:
-        data = _read_json(directory / RECORD_SUBDIR / CHECKPOINTS_FILE)
+        data = self._own(_read_json(directory / RECORD_SUBDIR / CHECKPOINTS_FILE))
         return {str(name): int(step) for name, step in (data or {}).get("files", {}).items()}
 
     def newest(self) -> SavedCheckpoint | None:
@@ -106,6 +134,11 @@ class JobRecord:
                 if best is None or step > best.step or later:
                     best = SavedCheckpoint(path, step)
         return best
+
+    def wrote(self, filepath: str | os.PathLike[str]) -> bool:
+        """Whether this run wrote ``filepath`` (a checkpoint name it may write again)."""
+        path = Path(os.path.realpath(filepath))
+        return self.exists and path.name in self._steps(path.parent)
 
     def newest_step(self, directory: Path) -> int | None:
         steps = self._steps(directory)
@@ -126,17 +159,21 @@ class JobRecord:
 
     def record_save(self, filepath: str | os.PathLike[str], step: int) -> None:
         """Note that ``filepath`` now holds committed step ``step`` (the checkpoint writer, after a save)."""
+        if not self.exists:
+            return
         path = Path(filepath)
         record = path.parent / RECORD_SUBDIR / CHECKPOINTS_FILE
-        data = _read_json(record) or {}
+        data = self._own(_read_json(record)) or {}
         files = {name: s for name, s in data.get("files", {}).items() if (path.parent / name).exists()}
         files[path.name] = int(step)
-        _write_json(record, {"files": files, "updated": time.time()})
+        _write_json(record, {"run": self.run, "files": files, "updated": time.time()})
 
     def record_removal(self, filepath: str | os.PathLike[str]) -> None:
+        if not self.exists:
+            return
         path = Path(filepath)
         record = path.parent / RECORD_SUBDIR / CHECKPOINTS_FILE
-        data = _read_json(record)
+        data = self._own(_read_json(record))
         if data and path.name in data.get("files", {}):
             data["files"].pop(path.name)
             _write_json(record, data)
@@ -144,7 +181,7 @@ class JobRecord:
     def finished(self) -> FinishedJob | None:
         """How the job ended, if it has."""
         for directory in self.directories:
-            data = _read_json(directory / RECORD_SUBDIR / FINISHED_FILE)
+            data = self._own(_read_json(directory / RECORD_SUBDIR / FINISHED_FILE))
             if data is not None:
                 return FinishedJob(
                     directory=directory,
@@ -158,6 +195,7 @@ class JobRecord:
 
     def mark_finished(self, step: int, epoch: int, max_steps: int, max_epochs: int | None, reason: str) -> None:
         record = {
+            "run": self.run,
             "step": step,
             "epoch": epoch,
             "max_steps": max_steps,
@@ -171,7 +209,8 @@ class JobRecord:
     def clear_finished(self) -> None:
         """A job continued past its recorded end (relaunched with larger limits) is no longer finished."""
         for directory in self.directories:
-            (directory / RECORD_SUBDIR / FINISHED_FILE).unlink(missing_ok=True)
+            if self._own(_read_json(directory / RECORD_SUBDIR / FINISHED_FILE)) is not None:
+                (directory / RECORD_SUBDIR / FINISHED_FILE).unlink(missing_ok=True)
 
 
 def durable_checkpoint_dirs(trainer: Any) -> list[Path]:

@@ -1,5 +1,6 @@
-"""The optimizer Lightning's precision plugin steps under FTStrategy: it runs the closure, then steps the real optimizer
-only when the step commits (:class:`CommitGatedOptimizer`), with the check of the averaged gradient the vote reads.
+"""The optimizer Lightning's precision plugin steps under FTStrategy: it runs the closure, then steps the real
+optimizer, with the closure, only when the step commits (:class:`CommitGatedOptimizer`), with the check of the
+averaged gradient the vote reads.
 
 It lives beside :mod:`lightning_ft.step.protocol`, whose vote it defers to.
 """
@@ -48,13 +49,34 @@ def finite_gradient_check(optimizer: Optimizer) -> Callable[[], bool]:
     return read
 
 
+class EvaluatedClosure:
+    """The closure as the real optimizer receives it, as Lightning would give it: its first call returns the
+    evaluation already made (the forward and backward pass whose gradient the replica groups averaged and voted on);
+    each further call evaluates the closure again (a two-pass optimizer such as SAM), with its gradient averaged in the
+    same quorum."""
+
+    def __init__(self, closure: Callable[[], Any], first_result: Any) -> None:
+        self._closure = closure
+        self._first_result = first_result
+        self._first_taken = False
+        self.evaluations_after_vote = 0
+
+    def __call__(self) -> Any:
+        if not self._first_taken:
+            self._first_taken = True
+            return self._first_result
+        self.evaluations_after_vote += 1
+        return self._closure()
+
+
 class CommitGatedOptimizer:
     """An optimizer view whose ``step`` runs the closure and then steps only if the step commits.
 
     Everything else (``param_groups``, ``state``, ...) is the wrapped optimizer's, so precision plugins, gradient
-    clipping and ``on_before_optimizer_step`` see the real thing. Optimizers that re-evaluate the closure (LBFGS)
-    are not supported: the closure runs exactly once, because the gradients it produces are what the replicas agreed
-    to average.
+    clipping and ``on_before_optimizer_step`` see the real thing. The real optimizer gets the closure
+    (:class:`EvaluatedClosure`), so one that needs it, or evaluates it a fixed number of times more, steps as under
+    Lightning. An optimizer that evaluates it a data-dependent number of times (LBFGS's line search) is refused
+    up front (:mod:`lightning_ft.step.modes`): groups would make different numbers of cross-group collectives.
     """
 
     def __init__(
@@ -83,9 +105,17 @@ class CommitGatedOptimizer:
                 finite=self._finite_check() if self._skip_non_finite else None,
                 loss=loss if isinstance(loss, Tensor) and loss.numel() == 1 else None,
             )
-        if self._protocol.commit():
-            self._optimizer.step(**kwargs)
-        return loss
+        if not self._protocol.commit():
+            return loss
+        if closure is None:
+            return self._optimizer.step(**kwargs)
+        evaluated = EvaluatedClosure(closure, loss)
+        output = self._optimizer.step(closure=evaluated, **kwargs)
+        if evaluated.evaluations_after_vote:
+            # A collective of a later evaluation that failed leaves this replica unlike its peers: the group stops
+            # and heals from a live peer (StepProtocol.commit, called again, raises).
+            self._protocol.commit()
+        return output  # what the optimizer returns, as under Lightning (torch's return the closure's loss)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

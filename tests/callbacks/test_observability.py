@@ -82,13 +82,19 @@ class RejectOneStep(pl.Callback):
 
 @pytest.fixture
 def single_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One replica group with the embedded lighthouse, and the event log at its default location."""
+    """One replica group with the embedded lighthouse, and the event log at its default location (each ``fit`` below
+    gives its run an id, as a launcher does)."""
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", ENV_EVENTS_DIR, ENV_RUN_ID):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
 
 
+_runs = iter(range(1_000_000))
+
+
 def fit(root: Path, *callbacks: pl.Callback, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    # A run of its own, as a launcher would name it: a fit without a run id writes no event log.
+    os.environ[ENV_RUN_ID] = f"run-{next(_runs)}"  # removed again by single_group's monkeypatch
     kwargs.setdefault("logger", CSVLogger(root))
     trainer = pl.Trainer(
         strategy=FTStrategy(),

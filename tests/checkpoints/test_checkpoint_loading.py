@@ -109,8 +109,7 @@ def test_a_checkpoint_written_by_lightning_ft_loads_with_weights_only(written):
     assert checkpoint["global_step"] == 3
     assert checkpoint["hyper_parameters"] == {"width": 32, "name": "boring"}
     assert checkpoint["callbacks"]["ManagerCheckpointCallback"]["manager"]["step"] == 3
-    sidecar = torch.load(sidecar_path(written.last, 0, 0), weights_only=True)
-    assert sidecar["global_step"] == 3
+    assert checkpoint["lightning_ft"] == {"data_position_of": [0, 0]}  # the writer's own position is in the file
 
 
 def test_resuming_loads_the_checkpoint_with_weights_only(written, tmp_path, monkeypatch):
@@ -125,7 +124,7 @@ def test_resuming_loads_the_checkpoint_with_weights_only(written, tmp_path, monk
     monkeypatch.setattr(torch, "load", recording_load)
     trainer = fit(tmp_path, 4, ckpt_path=written.last, enable_checkpointing=False)
     assert trainer.global_step == 4
-    assert calls and all(weights_only is True for weights_only in calls), calls  # the checkpoint and its sidecar
+    assert calls and all(weights_only is True for weights_only in calls), calls
 
 
 def test_a_checkpoint_with_a_malicious_object_is_refused_and_never_runs(written, tmp_path):

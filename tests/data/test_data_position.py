@@ -4,6 +4,7 @@ reads."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -198,7 +199,9 @@ def loader_state_in(checkpoint: dict[str, Any]) -> Any:
 def test_each_rank_writes_its_own_sidecar_and_resumes_from_it(tmp_path):
     path = tmp_path / "last.ckpt"
     for group in (0, 1):
-        save_own_position(checkpoint_at(10, {"group": group}), path, replica_group_id=group, group_rank=0)
+        save_own_position(
+            checkpoint_at(10, {"group": group}), path, replica_group_id=group, group_rank=0, is_writer=False
+        )
     assert sorted(p.name for p in Path(sidecar_dir(path)).iterdir()) == ["group0.rank0.pt", "group1.rank0.pt"]
 
     loaded = checkpoint_at(10, {"group": 0})  # the main file holds the writer's (group 0's) loader state
@@ -216,7 +219,7 @@ def test_without_a_sidecar_the_writers_loader_state_is_dropped(tmp_path, caplog)
 
 def test_a_sidecar_from_another_step_is_ignored(tmp_path, caplog):
     path = tmp_path / "last.ckpt"
-    save_own_position(checkpoint_at(10, {"group": 1}), path, replica_group_id=1, group_rank=0)
+    save_own_position(checkpoint_at(10, {"group": 1}), path, replica_group_id=1, group_rank=0, is_writer=False)
     loaded = checkpoint_at(20, {"group": 0})
     with caplog.at_level(logging.WARNING, logger="lightning.pytorch.lightning_ft"):
         assert use_own_position(loaded, path, replica_group_id=1, group_rank=0) == "counting"
@@ -226,7 +229,9 @@ def test_a_sidecar_from_another_step_is_ignored(tmp_path, caplog):
 
 def test_a_sidecar_at_another_position_is_ignored(tmp_path, caplog):
     path = tmp_path / "last.ckpt"
-    save_own_position(checkpoint_at(10, {"group": 1}, current=4, total=14), path, replica_group_id=1, group_rank=0)
+    save_own_position(
+        checkpoint_at(10, {"group": 1}, current=4, total=14), path, replica_group_id=1, group_rank=0, is_writer=False
+    )
     loaded = checkpoint_at(10, {"group": 0})
     with caplog.at_level(logging.WARNING, logger="lightning.pytorch.lightning_ft"):
         assert use_own_position(loaded, path, replica_group_id=1, group_rank=0) == "counting"
@@ -245,6 +250,19 @@ def test_an_unreadable_sidecar_falls_back_to_counting_and_says_which_file(tmp_pa
         assert use_own_position(loaded, path, replica_group_id=1, group_rank=0) == "counting"
     assert loader_state_in(loaded) is None
     assert str(broken) in caplog.text and "Delete the file" in caplog.text
+
+
+def test_the_writer_keeps_its_position_in_the_checkpoint_and_reads_it_back_without_a_sidecar(tmp_path):
+    """A one-process job's checkpoint folder holds no ``.data`` folder: the writer's position is the checkpoint's own,
+    marked as the writer's; another rank reading it still drops it (it is another shard's)."""
+    path = tmp_path / "last.ckpt"
+    checkpoint = checkpoint_at(10, {"group": 1})
+    save_own_position(checkpoint, path, replica_group_id=1, group_rank=0, is_writer=True)
+    assert not Path(sidecar_dir(path)).exists()
+    assert use_own_position(copy.deepcopy(checkpoint), path, replica_group_id=1, group_rank=0) == "loader_state"
+    other = copy.deepcopy(checkpoint)
+    assert use_own_position(other, path, replica_group_id=0, group_rank=0) == "counting"
+    assert loader_state_in(other) is None
 
 
 def test_a_sidecar_without_loader_state_means_counting(tmp_path):
@@ -287,13 +305,18 @@ def test_a_write_sweeps_only_its_own_leftovers(tmp_path):
 
 
 def test_the_strategy_writes_removes_and_splices_the_sidecars(tmp_path):
-    strategy = FTStrategy(replica_group_id=0, num_replica_groups=1)  # outside fitting: group 0 rank 0 writes
+    """Group 0 rank 0 writes the checkpoint, its own position inside; group 1 (outside fitting, not the writer) writes
+    its sidecar beside it, and each reads back its own."""
+    lighthouse = "http://127.0.0.1:1"  # never contacted outside fitting
+    writer = FTStrategy(replica_group_id=0, num_replica_groups=2, lighthouse=lighthouse)  # group 0 rank 0 writes
+    other = FTStrategy(replica_group_id=1, num_replica_groups=2, lighthouse=lighthouse)
     path = tmp_path / "step=10.ckpt"
-    strategy.save_checkpoint(checkpoint_at(10, {"group": 0}), path)
-    assert path.exists() and Path(sidecar_path(path, 0, 0)).exists()
-    loaded = strategy.load_checkpoint(path)
-    assert loader_state_in(loaded) == [{"group": 0}]
-    strategy.remove_checkpoint(path)
+    other.save_checkpoint(checkpoint_at(10, {"group": 1}), path)
+    writer.save_checkpoint(checkpoint_at(10, {"group": 0}), path)
+    assert path.exists() and not Path(sidecar_path(path, 0, 0)).exists() and Path(sidecar_path(path, 1, 0)).exists()
+    assert loader_state_in(writer.load_checkpoint(path)) == [{"group": 0}]
+    assert loader_state_in(other.load_checkpoint(path)) == [{"group": 1}]
+    writer.remove_checkpoint(path)
     assert not path.exists() and not Path(sidecar_dir(path)).exists()
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
@@ -10,6 +12,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from lightning_ft import FTConfigError, JobShard, job_shard
 from lightning_ft.callbacks.disjoint_data import batch_digest, duplicated_groups
 from lightning_ft.data.job_shard import fit_sampler_to_job, forget_job_shard, publish_job_shard
+from lightning_ft_job.environment import ENV_JOB_RANK, ENV_JOB_WORLD_SIZE
 
 DATA = TensorDataset(torch.arange(10).float())
 JOB, GROUP = JobShard(rank=3, world_size=4), JobShard(rank=1, world_size=2)  # group 1 of 2 groups of 2 processes
@@ -55,14 +58,16 @@ def test_one_group_changes_nothing():
     assert (sampler.num_replicas, sampler.rank) == (2, 1)
 
 
-def test_job_shard_answers_what_the_strategy_published_and_falls_back_outside_it():
-    forget_job_shard()
+def test_job_shard_answers_what_the_strategy_published_and_falls_back_outside_it(monkeypatch):
+    monkeypatch.delenv(ENV_JOB_RANK, raising=False)
+    monkeypatch.setenv(ENV_JOB_WORLD_SIZE, "7")  # a value from before the fit comes back after it
     assert job_shard() == JobShard(0, 1)  # no process group, no strategy
-    publish_job_shard(JOB)
+    before = publish_job_shard(JOB)
     try:
         assert job_shard() == JOB
     finally:
-        forget_job_shard()
+        forget_job_shard(before)
+    assert ENV_JOB_RANK not in os.environ and os.environ[ENV_JOB_WORLD_SIZE] == "7"
     assert job_shard() == JobShard(0, 1)
 
 

@@ -17,6 +17,8 @@ import torch
 from harness import assert_tree_equal, process_gone
 from test_fault_tolerance import GATES, start_together
 
+from lightning_ft_job.events import ENV_RUN_ID
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
@@ -98,7 +100,8 @@ def test_a_start_timeout_shorter_than_the_gap_starts_alone_warns_and_the_late_gr
 def test_a_group_restarted_after_the_end_exits_without_touching_the_checkpoints(launch, tmp_path):
     """Group 1 is SIGKILLed two steps before max_steps; torchrun restarts it only after group 0 has finished (the
     launcher's finish grace is far longer, so the mechanism is tested, not the backstop). Then a second launcher
-    starts group 1 once more against the finished job."""
+    starts group 1 once more as part of the same run (``LIGHTNING_FT_RUN_ID``, as a requeued scheduler job keeps its
+    id): it reads the run's end from the record in the checkpoint folder."""
     max_steps = 30
     ckpt_dir = tmp_path / "checkpoints"
     common = [f"--max-steps={max_steps}", f"--ckpt-dir={ckpt_dir}", "--ckpt-every=5"]
@@ -129,7 +132,10 @@ def test_a_group_restarted_after_the_end_exits_without_touching_the_checkpoints(
     assert last["global_step"] == max_steps
     assert_tree_equal(last["state_dict"], final[(0, 0)]["model"], "last.ckpt vs group 0's final model")
 
-    again = launch("again", groups=2, worker_args=common, launcher_args=["--group-ids=1"])
+    [finished] = job.events("job_already_finished", group=1)
+    again = launch(
+        "again", groups=2, worker_args=common, launcher_args=["--group-ids=1"], env={ENV_RUN_ID: finished["run"]}
+    )
     assert again.wait_exit(timeout=120) == 0, again.tail()
     assert again.events("job_already_finished", group=1)
     assert not again.events("started") and not again.events("step")

@@ -17,12 +17,14 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
 from lightning_ft.settings import FTConfigError, resolve_settings
 from lightning_ft.start.decision import (
+    JobAlreadyFinished,
     StartContext,
     decide_start,
     finished_job,
 )
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.step.protocol import JobBehindCheckpointError, StepProtocol
+from lightning_ft_job.events import ENV_RUN_ID
 
 PREFIX = "lightning_ft_"
 
@@ -348,15 +350,17 @@ def fit(root: Path, max_steps: int, every: int, ckpt_path: str | None = None) ->
 
 
 @pytest.mark.timeout(180)
-def test_a_writer_behind_the_job_writes_nothing_and_a_finished_job_is_not_trained_again(tmp_path, caplog):
+def test_a_writer_behind_the_job_writes_nothing_and_a_finished_job_is_not_trained_again(tmp_path, caplog, monkeypatch):
+    """One run (a launcher's run id) fitted again and again in one folder, as its restarts are; then a new run."""
+    monkeypatch.setenv(ENV_RUN_ID, "run-1")
     fit(tmp_path, max_steps=10, every=5)
     ckpt = tmp_path / "ckpt"
     assert (ckpt / ".lightning_ft" / "finished.json").exists()
     written = {path.name: path.stat().st_mtime_ns for path in ckpt.glob("*.ckpt")}
 
-    with pytest.raises(SystemExit) as exited:  # the same job again: it has finished
+    with pytest.raises(JobAlreadyFinished) as finished:  # the same run again: it has finished
         fit(tmp_path, max_steps=10, every=1)
-    assert exited.value.code == 0
+    assert finished.value.step == 10
     assert {path.name: path.stat().st_mtime_ns for path in ckpt.glob("*.ckpt")} == written
     assert "already finished at committed step 10" in caplog.text
 
@@ -368,4 +372,13 @@ def test_a_writer_behind_the_job_writes_nothing_and_a_finished_job_is_not_traine
     assert not [name for name in names if name in {f"epoch=0-step={s}.ckpt" for s in range(6, 10)}], names
     assert {"epoch=0-step=11.ckpt", "epoch=0-step=12.ckpt"} <= set(names)
     assert caplog.text.count("not writing") == 1
+    assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 12
+
+    # A new run in the same folder trains the model it is given, says whose checkpoints it leaves, and saves beside
+    # them under Lightning's versioned names.
+    caplog.clear()
+    monkeypatch.setenv(ENV_RUN_ID, "run-2")
+    fit(tmp_path, max_steps=3, every=3)
+    assert "holds the checkpoints of run run-1; this run (run-2) trains the model it was given" in caplog.text
+    assert torch.load(ckpt / "last-v1.ckpt", weights_only=False)["global_step"] == 3
     assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 12

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ft.step.gated_optimizer import CommitGatedOptimizer
+from lightning_ft.step.gated_optimizer import CommitGatedOptimizer, EvaluatedClosure
 from lightning_ft.step.protocol import NonFiniteGradientError
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,7 +90,7 @@ class Setup:
         def logged_step(*args: Any, **kwargs: Any) -> Any:
             self.log.append("optimizer.step")
             self.step_args, self.step_kwargs = args, kwargs
-            return real_step()
+            return real_step(closure=kwargs.get("closure"))  # Adam calls the closure it is given, returns its loss
 
         self.optimizer.step = logged_step  # type: ignore[method-assign]
         self.protocol = FakeProtocol(self.log, vote=vote, decided=decided)
@@ -198,12 +198,30 @@ def test_without_a_closure_the_vote_still_gates_the_step_and_nothing_is_returned
     assert_unchanged(before, setup.snapshot())
 
 
-def test_the_closure_is_not_passed_on_and_extra_arguments_are() -> None:
-    """The real optimizer must not re-run the closure (LBFGS-style): its gradients are the agreed ones."""
+def test_the_closure_is_passed_on_evaluated_once_and_extra_arguments_are() -> None:
+    """The real optimizer gets the closure, as under Lightning, with the extra arguments; its first call returns the
+    evaluation the vote was taken on, without running the forward and backward pass again."""
     setup = Setup(vote=True)
-    setup.gated.step(setup.closure(), marker="kept")
-    assert setup.log.count("closure") == 1
+    loss = setup.gated.step(setup.closure(), marker="kept")
+    assert setup.log == ["closure", "vote", "optimizer.step"]
+    assert isinstance(setup.step_kwargs.pop("closure"), EvaluatedClosure)
     assert setup.step_args == () and setup.step_kwargs == {"marker": "kept"}
+    assert torch.is_tensor(loss)
+
+
+def test_a_second_evaluation_runs_the_closure_again_and_asks_the_vote_whether_it_failed() -> None:
+    """A two-pass optimizer (SAM) evaluates the closure twice: the second evaluation runs it for real, and the step
+    protocol is asked again after the step, which raises when a collective of that evaluation failed."""
+    setup = Setup(vote=True)
+
+    def two_passes(closure: Callable[[], Any]) -> Any:
+        setup.log.append("optimizer.step")
+        closure()
+        return closure()
+
+    setup.optimizer.step = two_passes  # type: ignore[method-assign,assignment]
+    setup.gated.step(setup.closure())
+    assert setup.log == ["closure", "vote", "optimizer.step", "closure", "vote"]
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +17,7 @@ import torch
 from helpers import Regressor, assert_tree_equal, loader, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_ft import FTStrategy
+from lightning_ft import FTStrategy, loop_patches
 from lightning_ft.callbacks import QuorumCallback
 from lightning_ft.manager import FTManager
 
@@ -242,14 +243,19 @@ def test_validate_and_test_outside_fit_get_a_manager_of_their_own_and_shut_it_do
 
 def test_model_checkpoint_names_do_not_depend_on_what_other_groups_already_wrote(tmp_path):
     """With Lightning's version counter, a group that looks after the writer wrote ``step=N.ckpt`` would call its
-    own copy ``step=N-v1.ckpt``: its ModelCheckpoint state would name files that are never written."""
+    own copy ``step=N-v1.ckpt``: its ModelCheckpoint state would name files that are never written. Jobs of several
+    groups turn the counter off for the fit (and back on after it); a job of one group keeps Lightning's names."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
-    run = trainer(callbacks=[checkpoint], max_steps=2, enable_checkpointing=True)
-    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"written by another group")
-    run.fit(Regressor(), loader())
-    assert Path(checkpoint.best_model_path).name == "epoch=0-step=2.ckpt"  # not -v1: the counter was off
-    assert Path(checkpoint.last_model_path).name == "last.ckpt"
+    patches = loop_patches.LoopPatches()
+    loop_patches.name_checkpoints_alike(patches, SimpleNamespace(checkpoint_callbacks=[checkpoint]))  # type: ignore[arg-type]
+    assert checkpoint._enable_version_counter is False
+    patches.undo()
     assert checkpoint._enable_version_counter is True  # the user's setting again once the fit is over
+
+    run = trainer(callbacks=[checkpoint], max_steps=2, enable_checkpointing=True)
+    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"an earlier run's")
+    run.fit(Regressor(), loader())
+    assert Path(checkpoint.best_model_path).name == "epoch=0-step=2-v1.ckpt"  # one group: Lightning's own names
 
 
 def test_validation_inside_fit_runs_and_keeps_committed_step_semantics():
