@@ -50,7 +50,7 @@ def state_fingerprints(trainer: pl.Trainer, synced_buffers: set[str] | None) -> 
         if key in APPLIED_OWN_WAY:
             continue
         if key == "callbacks":
-            entries.update({f"callbacks[{name!s}]": part for name, part in value.items() if name not in per_group})
+            entries.update({f"callbacks[{name}]": part for name, part in value.items() if name not in per_group})
         elif key == "state_dict" and synced_buffers is not None:
             buffers = {name for name, _ in trainer.lightning_module.named_buffers()} - synced_buffers
             entries[key] = {name: tensor for name, tensor in value.items() if name not in buffers}

@@ -101,9 +101,9 @@ class ManagerHandle:
             self.outage_client.shutdown()
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
-        deadline = time.perf_counter() + QUORUM_THREAD_STOP_TIMEOUT_S
+        deadline = time.monotonic() + QUORUM_THREAD_STOP_TIMEOUT_S
         for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.perf_counter()))
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning(
                     "lightning-ft: torchft's quorum thread did not stop within %.0f s of the Manager's shutdown; it "

@@ -22,10 +22,10 @@ Four behaviours are added where torchft has no hook for them:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from time import monotonic
 from typing import Any, Protocol
 
 import torch
@@ -88,9 +88,10 @@ class FTManager(Manager):
         """Wait for the quorum, as torchft does; tell the observers; then vet a heal right away: every cross-group
         collective (``allreduce``) waits here first, so a state that cannot be loaded stops this replica before it
         exchanges anything with its peers."""
-        # perf_counter, not monotonic: this runs several times per step, and a caller that fakes time.monotonic (to
-        # drive Lightning's time-based validation in a test) should see Lightning's own reads of it only.
-        started = time.perf_counter()
+        # The clock bound at import (``from time import monotonic``): this runs several times per step, and a test
+        # that patches the time module's clock (Lightning's time-based validation, its throughput monitor) must see
+        # Lightning's own reads of it only.
+        started = monotonic()
         quorum = self._quorum_future  # waiting does not replace it
         try:
             if quorum is not None and quorum.done() and not torch._C._autograd._profiler_enabled():
@@ -101,7 +102,7 @@ class FTManager(Manager):
             else:
                 super().wait_quorum()
         finally:
-            waited = time.perf_counter() - started
+            waited = monotonic() - started
             for observer in self._quorum_observers:
                 observer.quorum_waited(waited)
         if quorum is not self._observed_quorum:  # torchft calls wait_quorum many times per quorum: report it once

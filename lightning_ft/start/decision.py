@@ -70,15 +70,15 @@ class JobAlreadyFinished(LightningFTError):
 
 
 def job_already_finished(step: int, message: str) -> JobAlreadyFinished:
-    """The exception to raise, with the process made to exit 0 should nobody catch it: Python ends a program with an
-    uncaught exception by calling ``sys.excepthook`` and then exiting 1; the hook installed here (once, ahead of the
-    one it finds) exits 0 for this exception after printing its line, and passes any other one on."""
+    """The exception to raise (its line logged by the caller), with the process made to exit 0 should nobody catch
+    it: Python ends a program with an uncaught exception by calling ``sys.excepthook`` and then exiting 1; the hook
+    installed here (once, ahead of the one it finds) exits 0 for this exception, without a traceback, and passes any
+    other one on."""
     previous = sys.excepthook
     if not getattr(previous, "_lightning_ft_exits_zero", False):
 
         def exit_zero_when_finished(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-            if isinstance(value, JobAlreadyFinished):
-                sys.stderr.write(f"{value.message}\n")
+            if isinstance(value, JobAlreadyFinished):  # its line was logged where it was raised
                 sys.stderr.flush()
                 sys.stdout.flush()
                 os._exit(0)

@@ -245,7 +245,7 @@ def test_checkpoint_folders_hold_what_lightnings_hold(tmp_path):
 @pytest.mark.parametrize("caught", [False, True])
 def test_a_finished_job_is_an_exception_a_caller_catches_and_uncaught_exits_0(caught):
     """``JobAlreadyFinished`` is an ordinary exception: a caller catches it and goes on; a process that does not ends
-    with exit code 0, its one line on stderr, so that an engine that restarted a group after the end counts it done.
+    with exit code 0 and no traceback, so that an engine that restarted a group after the end counts it done.
     Checked to fail at 6bcf74e: it was a ``SystemExit``, which ``except Exception`` does not catch."""
     if caught:
         raising = "raise JobAlreadyFinished(3, 'lightning-ft: the run already finished')"
@@ -258,5 +258,4 @@ def test_a_finished_job_is_an_exception_a_caller_catches_and_uncaught_exits_0(ca
     if caught:
         assert result.stdout.strip() == "went on"
     else:
-        assert result.stderr.strip().endswith("lightning-ft: the run already finished")
-        assert "Traceback" not in result.stderr
+        assert "Traceback" not in result.stderr, result.stderr  # the line was logged where it was raised
