@@ -191,6 +191,7 @@ def test_exactly_once_data_reads_a_prefix_of_the_permutation_through_kills_and_a
     assert_exactly_once(run_membership_changes(tmp_path / "job", "exactly_once"))
 
 
+@pytest.mark.paths  # make test: groups of one process; HSDP's groups of two in tests/hsdp
 @pytest.mark.timeout(300)
 def test_exactly_once_data_in_groups_of_two_processes(launch):
     """2 groups × 2 processes: each rank reads its half of its group's batch; a killed rank takes its group down,

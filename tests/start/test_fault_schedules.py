@@ -13,8 +13,8 @@ from test_fault_tolerance import GATES, start_together
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 # Chosen to cover every path, 2 and 3 groups, a group of 2 processes, kills in the last steps and again after a rejoin.
-MAKE_TEST_SEEDS = [0, 1]
-EXTRA_SEEDS = list(range(2, 15))
+MAKE_TEST_SEEDS = [0]
+EXTRA_SEEDS = list(range(1, 15))
 
 
 def run_schedule(launch, schedule: FaultSchedule) -> None:

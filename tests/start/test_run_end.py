@@ -111,6 +111,7 @@ def test_a_group_whose_process_crashes_after_it_finished_is_restarted_into_the_e
         assert state["global_step"] == max_steps
 
 
+@pytest.mark.paths  # make test: a new run in a used folder, in process (tests/strategy/test_lightning_behaviour.py)
 def test_a_new_run_in_the_folder_of_a_finished_run_is_a_new_job_and_trains(launch, tmp_path):
     """Two launches of one job, one after the other, in one folder: one event log, one output folder and one folder
     of run-end reports (``LIGHTNING_FT_RUN_END_DIR``, as a job on a shared filesystem sets it). The job is the run, not
