@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra compat test-repeat lightning-suite lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
-    bench-gpu bench-kill-loop bench-data-modes bench-smoke fault-matrix
+.PHONY: demo test docs-check test-extra compat test-repeat lightning-suite lint format clean bench bench-semi-sync bench-zoo bench-scale bench-buffers \
+    bench-gpu bench-kill-loop bench-data-modes bench-smoke fault-matrix docs docs-screenshot
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# Every command of README.md and docs/quickstart.md typed as a user would, in a fresh clone of the committed HEAD
+# (uncommitted changes are not checked: ARGS="--source ." checks the working tree) and a fresh venv, stopping at the
+# first that fails with its file, line and output. It needs no .venv (the machine's python3, standard library only);
+# a block is skipped only with a `<!-- docs-check: skip: REASON -->` before it. About 3 minutes on 2 CPU cores.
+docs-check:
+	$(PYTHON) .ci/docs_check.py $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -116,6 +123,18 @@ bench-smoke: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python -m benchmarks.smoke $(ARGS)
 
+# The docs site (mkdocs.yml): the pages of docs/ and the API reference, rendered from the docstrings without importing
+# torch or Lightning, into site/; any warning fails the build. CI runs it. NO_MKDOCS_2_WARNING: Material for MkDocs
+# prints a notice about its end of life (docs/index.md, The docs site) on every build.
+docs: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The built FTStrategy reference page in headless Chromium (Debian's `chromium` package), saved as
+# docs/img/api-ftstrategy.png: site/ served on loopback while docs/screenshot.sh takes it.
+docs-screenshot: docs
+	docs/screenshot.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -125,4 +144,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

@@ -9,6 +9,9 @@ decided here, once: ``use_async_quorum`` (:func:`async_quorum_default`). The mod
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,13 @@ from lightning_ft.settings import (
     WorldSizeModeName,
     resolve_settings,
 )
+
+# FSDP2's ``fully_shard`` arguments that FTStrategy takes under its own names (``data_parallel="fsdp"``).
+_FSDP2_NAMES = {
+    "reshard_after_forward": "fsdp_reshard_after_forward",
+    "mp_policy": "fsdp_mixed_precision",
+    "offload_policy": "fsdp_cpu_offload",
+}
 
 # DDP settings that FTStrategy replaces with its own cross-group comm hook.
 _COMM_HOOK_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -91,14 +101,17 @@ def resolve_configuration(
     fsdp_cpu_offload: bool,
     fsdp_reshard_after_forward: bool | None,
     gradient_as_bucket_view: bool,
-    find_unused_parameters: Any,
+    find_unused_parameters: bool | None,
     ddp_kwargs: dict[str, Any],
+    strategy_arguments: Collection[str] = (),
 ) -> StrategyConfiguration:
     """Validate every setting against the others. Raises :class:`FTConfigError` naming the setting and the fix.
 
     Args: FTStrategy's, by the same names (``docs/configuration.md``); ``ddp_kwargs`` are its ``**kwargs``, for
-    ``DDPStrategy`` and torch's DDP.
+    ``DDPStrategy`` and torch's DDP; ``strategy_arguments`` are FTStrategy's own argument names (the suggestions
+    for a misspelled one).
     """
+    check_argument_names(ddp_kwargs, strategy_arguments)
     if use_async_quorum is None:
         use_async_quorum = async_quorum_default(algorithm=algorithm, data_mode=data_mode, data_parallel=data_parallel)
     check_data_mode(data_mode, algorithm, use_async_quorum)
@@ -117,8 +130,6 @@ def resolve_configuration(
     if not parallel.sharded:
         _check_ddp_kwargs(find_unused_parameters, ddp_kwargs)
         ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
-    # With False the DDP hook pins the bucket layout before the first step (step.gradient_hooks.pin_bucket_layout).
-    ddp_kwargs["find_unused_parameters"] = find_unused_parameters is not False or parallel.sharded
     chosen = resolve_algorithm(
         algorithm=algorithm,
         use_async_quorum=use_async_quorum,
@@ -151,14 +162,75 @@ def resolve_configuration(
         start_timeout=start_timeout,
         world_size_mode=world_size_mode,
     )
+    ddp_kwargs["find_unused_parameters"] = parallel.sharded or unused_parameter_search(
+        find_unused_parameters, settings.num_replica_groups
+    )
     return StrategyConfiguration(
         settings=settings, algorithm=chosen, data_parallel=parallel, data_mode=data_mode, ddp_kwargs=ddp_kwargs
     )
 
 
+def unused_parameter_search(find_unused_parameters: bool | None, num_replica_groups: int) -> bool:
+    """DDP's ``find_unused_parameters`` for a job: the user's choice, else ``True`` only with several groups.
+
+    Every group's gradient buckets must hold the same parameters in the same order at every step, a restarted
+    group's first step included. With the search, DDP never rebuilds its first layout (which already follows the
+    backward pass, so the allreduces overlap it); without it, the DDP hook pins a forward-order layout before the
+    first step (:func:`lightning_ft.step.gradient_hooks.pin_bucket_layout`). One group has no one to agree with:
+    it runs as DDP does by default, and prints no warning about a setting its user never made.
+    """
+    if find_unused_parameters is None:
+        return num_replica_groups > 1
+    return find_unused_parameters
+
+
+def forwarded_argument_names() -> frozenset[str]:
+    """The keyword arguments that ``FTStrategy(**kwargs)`` passes on: ``DDPStrategy``'s and torch
+    ``DistributedDataParallel``'s (Lightning hands the latter's to the wrapper at setup)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    names: set[str] = set()
+    for function in (DDPStrategy.__init__, DistributedDataParallel.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+                names.add(name)
+    return frozenset(names - {"self", "module"})
+
+
+def check_argument_names(kwargs: Mapping[str, Any], strategy_arguments: Collection[str]) -> None:
+    """Refuse, at construction, a keyword argument that no one downstream accepts.
+
+    Without this a misspelled argument (``replica_groups=2``) travels in ``**kwargs`` to torch's DDP constructor and
+    fails at setup, after the lighthouse and process groups have started, in a traceback about
+    ``DistributedDataParallel.__init__()``.
+
+    Raises:
+        FTConfigError: naming each unknown argument and the nearest valid names.
+    """
+    forwarded = forwarded_argument_names()
+    unknown = [name for name in kwargs if name not in forwarded]
+    if not unknown:
+        return
+    valid = sorted(set(strategy_arguments) | forwarded)
+    problems = []
+    for name in unknown:
+        if name in _FSDP2_NAMES:
+            problems.append(f"{name} (FSDP2's name: FTStrategy takes it as {_FSDP2_NAMES[name]})")
+            continue
+        nearest = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+        hint = ", ".join(nearest[:-1]) + (" or " if len(nearest) > 1 else "") + nearest[-1] if nearest else ""
+        problems.append(f"{name} (did you mean {hint}?)" if hint else name)
+    raise FTConfigError(
+        f"FTStrategy: unknown argument{'s' if len(unknown) > 1 else ''} {'; '.join(problems)}: neither FTStrategy, "
+        f"DDPStrategy nor torch's DistributedDataParallel accepts {'them' if len(unknown) > 1 else 'it'}. Every "
+        f"argument: docs/configuration.md."
+    )
+
+
 def _check_ddp_kwargs(find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
-    if not isinstance(find_unused_parameters, bool):
-        raise FTConfigError(f"find_unused_parameters={find_unused_parameters!r}: expected True or False.")
+    if find_unused_parameters is not None and not isinstance(find_unused_parameters, bool):
+        raise FTConfigError(f"find_unused_parameters={find_unused_parameters!r}: expected True, False or None.")
     for unsupported in _COMM_HOOK_KWARGS:
         if kwargs.get(unsupported) is not None:
             raise FTConfigError(f"{unsupported}: FTStrategy installs its own cross-group comm hook; remove it.")

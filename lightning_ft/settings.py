@@ -50,7 +50,11 @@ DEFAULT_START_TIMEOUT_S = 300.0
 
 
 class FTConfigError(LightningFTError, ValueError):
-    """A lightning-ft setting has a value that cannot work. The message names the setting and the fix."""
+    """A lightning-ft setting has a value that cannot work. The message names the setting and the fix.
+
+    Raised by ``FTStrategy(...)``, by the callbacks' constructors and :class:`~lightning_ft.Failure`, and, when the fit
+    starts, for a Trainer, model or dataloader setting that the strategy's settings cannot work with.
+    """
 
 
 def _int_from_env(name: str, env: str, value: int | None, default: int) -> int:

@@ -12,6 +12,7 @@ the manner of Lightning's ``DDPStrategy``; its group-local hooks delegate to DDP
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -80,9 +81,9 @@ class FTStrategy(DDPStrategy):
 
     Use it like ``DDPStrategy``: ``Trainer(strategy=FTStrategy())``, ``Trainer(strategy="ft")``, or
     ``class_path: lightning_ft.FTStrategy`` in LightningCLI YAML. Start each replica group with the same script;
-    ``lightning-ft launch`` does that on one machine. ``docs/configuration.md`` describes every argument at length.
+    ``lightning-ft launch`` does that on one machine. ``docs/configuration.md`` describes each argument in full.
 
-    Args (each one in full in ``docs/configuration.md``):
+    Args:
         replica_group_id: This group's id in ``[0, num_replica_groups)``. Default: env ``REPLICA_GROUP_ID``, else 0.
         num_replica_groups: The most groups of the job. Default: env ``NUM_REPLICA_GROUPS``, else 1.
         lighthouse: URL of the lighthouse shared by all groups. Default: env ``TORCHFT_LIGHTHOUSE``; with neither
@@ -122,7 +123,30 @@ class FTStrategy(DDPStrategy):
         fsdp_cpu_offload: FSDP: keep sharded parameters, gradients and optimizer state in CPU memory.
         fsdp_reshard_after_forward: FSDP: FSDP2's ``reshard_after_forward``.
         gradient_as_bucket_view: DDP: torch DDP's ``gradient_as_bucket_view`` (on by default).
-        **kwargs: For ``DDPStrategy`` and torch's DDP (``find_unused_parameters`` defaults to ``True`` here).
+        find_unused_parameters: DDP: torch DDP's ``find_unused_parameters``. ``None`` (the default): ``True`` in a
+            job of several replica groups, where it keeps one gradient bucket layout in every group, restarted ones
+            included, with the allreduces overlapping the backward pass; ``False`` in a one-group job, as in DDP.
+        accelerator: As ``DDPStrategy``'s (Lightning sets it from the Trainer's ``accelerator``).
+        parallel_devices: As ``DDPStrategy``'s: this group's devices (Lightning sets them from ``devices``).
+        cluster_environment: As ``DDPStrategy``'s: how this group's processes find each other (torchrun, SLURM, ...).
+        checkpoint_io: As ``DDPStrategy``'s. Default: crash-safe local writes (temporary file, fsync, rename).
+        precision_plugin: As ``DDPStrategy``'s (Lightning sets it from ``precision``).
+        process_group_backend: As ``DDPStrategy``'s: the backend inside the group (cross-group: ``process_group``).
+        **kwargs: For ``DDPStrategy`` and torch's DDP (``bucket_cap_mb``, ``static_graph``, ...). A name that
+            neither accepts raises :class:`~lightning_ft.FTConfigError` here, naming the nearest valid ones.
+
+    Attributes:
+        strategy_name: ``"ft"``, its name in Lightning's strategy registry (``Trainer(strategy="ft")``).
+        settings: The resolved torchft settings: the arguments above, defaults and environment variables applied.
+        algorithm: The resolved synchronisation across groups (``algorithm`` and its DiLoCo and LocalSGD options).
+        data_parallel: The resolved parallelism inside a group (``data_parallel`` and its FSDP or DDP options).
+        data_mode: ``"sharded"`` or ``"exactly_once"``.
+        heal_mode: Open while a heal builds or restores Lightning's checkpoint: the checkpoint methods then serve
+            this process's own state.
+
+    Raises:
+        FTConfigError: An argument has a value that cannot work, alone or with the others; the message names the
+            argument and the fix.
     """
 
     strategy_name = "ft"
@@ -164,6 +188,7 @@ class FTStrategy(DDPStrategy):
         fsdp_cpu_offload: bool = False,
         fsdp_reshard_after_forward: bool | None = None,
         gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -172,8 +197,6 @@ class FTStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        # Read here, not in a helper: LightningCLI's signature reader takes this default (True) as the setting's.
-        find_unused_parameters = kwargs.get("find_unused_parameters", True)
         configuration = resolve_configuration(
             replica_group_id=replica_group_id,
             num_replica_groups=num_replica_groups,
@@ -212,6 +235,7 @@ class FTStrategy(DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
             ddp_kwargs=dict(kwargs),  # a copy: LightningCLI's signature reader gives up on `name=kwargs`
+            strategy_arguments=_OWN_ARGUMENTS,
         )
         super().__init__(
             accelerator=accelerator,
@@ -249,6 +273,12 @@ class FTStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"ft"`` in Lightning's strategy registry (``import lightning_ft`` does it), replacing any entry
+        of that name.
+
+        Args:
+            strategy_registry: Lightning's ``StrategyRegistry``.
+        """
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -267,7 +297,11 @@ class FTStrategy(DDPStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``."""
+        """The replica group's 1-D mesh (``data_parallel="fsdp"`` only), also ``LightningModule.device_mesh``.
+
+        Raises:
+            NotAvailableError: Without ``data_parallel="fsdp"``, or before ``setup_environment()``.
+        """
         mesh = self._in_group.device_mesh
         if mesh is None:
             raise NotAvailableError(
@@ -277,7 +311,11 @@ class FTStrategy(DDPStrategy):
 
     @property
     def manager(self) -> FTManager:
-        """This group's torchft Manager (exists from ``setup_environment`` on, while fitting, validating, testing)."""
+        """This group's torchft Manager (exists from ``setup_environment`` on, while fitting, validating, testing).
+
+        Raises:
+            NotAvailableError: Outside fitting, validating and testing, or before ``setup_environment()``.
+        """
         if self._handle is None:
             raise NotAvailableError(
                 "FTStrategy.manager is only available while fitting, validating or testing, after setup_environment()."
@@ -286,13 +324,23 @@ class FTStrategy(DDPStrategy):
 
     @property
     def collectives(self) -> CrossGroupCollectives:
-        """Job-wide reductions over every participating replica (see :mod:`lightning_ft.step.collectives`)."""
+        """Job-wide reductions over every participating replica (see :mod:`lightning_ft.step.collectives`).
+
+        Raises:
+            NotAvailableError: Outside fitting, validating and testing, or before ``setup_environment()``.
+        """
         if self._collectives is None:
             raise NotAvailableError("FTStrategy.collectives is only available after setup_environment().")
         return self._collectives
 
     @property
     def step_protocol(self) -> StepProtocol:
+        """The fit's per-step protocol with the Manager: quorum, commit vote, step-start observers (see
+        :mod:`lightning_ft.step.protocol`).
+
+        Raises:
+            NotAvailableError: Outside fitting, or before ``setup_environment()``.
+        """
         if self._protocol is None:
             raise NotAvailableError(
                 "FTStrategy.step_protocol is only available while fitting, after setup_environment()."
@@ -302,7 +350,12 @@ class FTStrategy(DDPStrategy):
     @property
     def step_owner(self) -> StepOwner:
         """The one owner of each optimizer step (``algorithm="ddp"``, while fitting): see
-        :mod:`lightning_ft.step.owner`."""
+        :mod:`lightning_ft.step.owner`.
+
+        Raises:
+            NotAvailableError: Outside fitting, with a semi-synchronous ``algorithm``, or before
+                ``setup_environment()``.
+        """
         if self._step is None:
             raise NotAvailableError(
                 "FTStrategy.step_owner is only available while fitting with algorithm='ddp', after setup_environment()."
@@ -311,22 +364,29 @@ class FTStrategy(DDPStrategy):
 
     @property
     def telemetry(self) -> FTTelemetry:
-        """This group's fault-tolerance figures (quorum waits, heals, votes)."""
+        """This group's fault-tolerance figures (quorum waits, heals, votes).
+
+        Raises:
+            NotAvailableError: Outside fitting, validating and testing, or before ``setup_environment()``.
+        """
         if self._telemetry is None:
             raise NotAvailableError("FTStrategy.telemetry is only available while fitting, validating or testing.")
         return self._telemetry
 
     @property
     def exactly_once_data(self) -> ExactlyOnceData | None:
-        """With ``data_mode="exactly_once"`` while fitting: the schedule, the last step's placement, the refetches."""
+        """With ``data_mode="exactly_once"`` while fitting: the schedule, the last step's placement, the refetches;
+        else ``None``."""
         return self._exactly_once.data
 
     @property
     def replica_group_id(self) -> int:
+        """This replica group's id, in ``[0, num_replica_groups)``."""
         return self.settings.replica_group_id
 
     @property
     def num_replica_groups(self) -> int:
+        """The most replica groups the job has."""
         return self.settings.num_replica_groups
 
     @property
@@ -341,7 +401,11 @@ class FTStrategy(DDPStrategy):
         return self._handle.manager.participating_rank() == 0
 
     def start_quorum(self) -> None:
-        """Open the quorum for the current optimizer step (no-op if already open)."""
+        """Open the quorum for the current optimizer step (no-op if already open).
+
+        Raises:
+            NotAvailableError: Outside fitting, or before ``setup_environment()``.
+        """
         self.step_protocol.open_quorum()
 
     @override
@@ -363,7 +427,7 @@ class FTStrategy(DDPStrategy):
     @property
     def job_shard(self) -> JobShard:
         """This process among every process of the job: ``num_replica_groups × group size`` ranks, ordered by
-        group, then rank."""
+        group, then rank (what :func:`lightning_ft.job_shard` answers during the fit)."""
         group_size = self.num_nodes * self.num_processes
         return JobShard(
             rank=self.settings.replica_group_id * group_size + self.global_rank,
@@ -373,7 +437,12 @@ class FTStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Shard data as one big world of ``num_replica_groups × group size`` ranks, ordered by group, then rank."""
+        """Shard data as one big world of ``num_replica_groups × group size`` ranks, ordered by group, then rank.
+
+        Returns:
+            ``num_replicas`` (the job's world size) and ``rank`` (this process's job-wide rank), for a
+            ``DistributedSampler``.
+        """
         shard = self.job_shard
         return {"num_replicas": shard.world_size, "rank": shard.rank}
 
@@ -381,7 +450,17 @@ class FTStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """A user's ``DistributedSampler`` built for the group's world is re-sharded to the job's
         (:func:`~lightning_ft.data.job_shard.fit_sampler_to_job`). With exactly-once data, the training loader reads
-        the samples the committed state assigns."""
+        the samples the committed state assigns.
+
+        Returns:
+            The dataloader as DDP processes it, or, with ``data_mode="exactly_once"``, the training dataloader
+            rebuilt to read the samples each committed step assigns.
+
+        Raises:
+            FTConfigError: A group-world sampler of a class that cannot be re-sharded; with exactly-once data, a
+                training dataloader it cannot rebuild (not a ``DataLoader``, an ``IterableDataset``, no
+                ``batch_size``, ``in_order=False``).
+        """
         if not self._exactly_once.building_train_loader:
             group = JobShard(rank=self.global_rank, world_size=self.world_size)
             fit_sampler_to_job(dataloader, self.job_shard, group)
@@ -392,7 +471,11 @@ class FTStrategy(DDPStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """With exactly-once data, a training batch is where the step's quorum opens (a behind group heals here) and
-        where the batch is checked against the samples the quorum assigns."""
+        where the batch is checked against the samples the quorum assigns.
+
+        Returns:
+            The batch on the device (with exactly-once data, the samples the step's quorum assigns).
+        """
         trainer = self._module.trainer
         if self._exactly_once.data is not None and trainer.training:
             self.step_owner.begin(trainer)
@@ -402,6 +485,17 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        """Set up the group's process group as ``DDPStrategy`` does; while fitting, validating or testing, also this
+        group's torchft Manager (connected to the lighthouse), its event log and, while fitting, the step protocol,
+        the default callbacks and the job's start (resume or heal from a live peer).
+
+        Raises:
+            JobAlreadyFinished: The run this group belongs to has already finished.
+            LighthouseUnreachableError: The lighthouse does not accept a connection within ``connect_timeout``.
+            FTConfigError: ``process_group="nccl"`` without a CUDA device, or a job's start that the settings
+                cannot make (the message names it).
+            NotAvailableError: No LightningModule is attached.
+        """
         trainer = self._module.trainer
         super().setup_environment()
         self._in_group.setup_environment(self)
@@ -439,7 +533,11 @@ class FTStrategy(DDPStrategy):
                 several_groups=self.num_replica_groups > 1,
             )
             events.emit(
-                "started", attempt=torchrun_restart_count(), ppid=os.getppid(), replica_groups=self.num_replica_groups
+                "started",
+                attempt=torchrun_restart_count(),
+                ppid=os.getppid(),
+                replica_groups=self.num_replica_groups,
+                run=run,
             )
             self._lifecycle.start_where_the_job_is(trainer, self._protocol, self._patches)
         self._collectives = CrossGroupCollectives(
@@ -495,6 +593,16 @@ class FTStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Set up the model and optimizers as ``DDPStrategy`` does (with FSDP2 sharding in place of the DDP wrapper
+        for ``data_parallel="fsdp"``); while fitting, refuse what cannot work and make Lightning's loops count
+        committed steps; reductions may cross groups from here on.
+
+        Raises:
+            FTConfigError: Per-step training with an optimizer whose step evaluates the closure a loss-dependent
+                number of times (LBFGS); ``val_check_interval`` as a duration in a job of several groups;
+                ``data_mode="exactly_once"`` with ``accumulate_grad_batches`` other than 1.
+            UnsupportedModelError: With FSDP, parameters that FSDP2 does not manage after sharding.
+        """
         self._in_group.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_optimizers(self.optimizers, semi_sync=self.algorithm.semi_sync)
@@ -534,7 +642,9 @@ class FTStrategy(DDPStrategy):
             return  # frozen at the start: no gradient to average
         if self.algorithm.semi_sync:
             return  # inner steps: DDP's own allreduce inside the group, nothing crosses groups between syncs
-        self._comm_state = install_ddp_cross_group_hook(self.model, self.manager, self.step_protocol, self.world_size)
+        self._comm_state = install_ddp_cross_group_hook(
+            self.model, self.manager, self.step_protocol, self.world_size, self.settings.num_replica_groups > 1
+        )
 
     # ------------------------------------------------------------------ job-wide reductions
     @override
@@ -542,24 +652,40 @@ class FTStrategy(DDPStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         """Reduce over every participating replica, where every group makes the same collectives (an optimizer
-        step, validation and test, an epoch end); elsewhere, and with an explicit ``group``, inside the group."""
+        step, validation and test, an epoch end); elsewhere, and with an explicit ``group``, inside the group.
+
+        Returns:
+            The reduced tensor (``tensor`` itself, reduced in place, when the dtype allows, as DDP's); anything
+            that is not a tensor as ``DDPStrategy.reduce`` returns it.
+
+        Raises:
+            UnsupportedArgumentError: Across groups, a ``reduce_op`` other than sum, mean (avg), max, min and
+                product.
+        """
         if not isinstance(tensor, Tensor) or group is not None or self._collectives is None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         return self._collectives.reduce(tensor, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """``EarlyStopping`` and ``ModelCheckpoint`` reach the same decision in every replica group."""
+        """``EarlyStopping`` and ``ModelCheckpoint`` reach the same decision in every replica group.
+
+        Returns:
+            Whether ``decision`` holds in every participating process (in any of them with ``all=False``).
+        """
         if self._collectives is None:
             return super().reduce_boolean_decision(decision, all=all)
         return self._collectives.decide(decision, require_all=all)
 
     @override
     def on_validation_start(self) -> None:
+        """Open a sync section: every group validates at the same committed step, so validation's reductions may
+        cross groups (not during the sanity check, which a restarted group runs while its peers train)."""
         self._open_sync_section()
 
     @override
     def on_test_start(self) -> None:
+        """Open a sync section, as :meth:`on_validation_start` does, for testing."""
         self._open_sync_section()
 
     def _open_sync_section(self) -> None:
@@ -571,6 +697,11 @@ class FTStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``training_step`` as ``DDPStrategy`` does; the step owner reads its loss.
+
+        Returns:
+            What the LightningModule's ``training_step`` returned.
+        """
         output = super().training_step(*args, **kwargs)
         if self._step is not None:
             self._step.saw_output(output)
@@ -585,7 +716,15 @@ class FTStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Semi-synchronously an inner step, group-local and always taken (the syncs commit or not); while fitting
-        otherwise, the step owner's: the closure runs, the groups vote, the optimizer steps only on a commit."""
+        otherwise, the step owner's: the closure runs, the groups vote, the optimizer steps only on a commit.
+
+        Returns:
+            What the precision plugin's ``optimizer_step`` returned (the closure's output).
+
+        Raises:
+            FTConfigError: A model frozen when the fit started (left without the DDP wrapper) now has a gradient, in
+                a job of several processes.
+        """
         if self._frozen_at_start and self.job_shard.world_size > 1:
             check_nothing_unfrozen(self._module)
         if self.algorithm.semi_sync or self._step is None:  # outside a fit, a step is the group's own, as in DDP
@@ -598,13 +737,18 @@ class FTStrategy(DDPStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient sync inside the group while accumulating (DDP's ``no_sync``, or FSDP2's equivalent)."""
         with self._in_group.block_backward_sync(self):
             yield
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state for a checkpoint (with FSDP, the full state, gathered for group rank 0); for a heal
-        (:attr:`heal_mode` open), this process's own state."""
+        (:attr:`heal_mode` open), this process's own state.
+
+        Returns:
+            The model's state dict.
+        """
         if self.heal_mode.is_open:
             return self.heal_mode.model_state(DDPStrategy.lightning_module_state_dict(self))
         return self._in_group.lightning_module_state_dict(self)
@@ -612,14 +756,19 @@ class FTStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """An optimizer's state for a checkpoint (with FSDP, the full state keyed by parameter name); for a heal,
-        this process's own."""
+        this process's own.
+
+        Returns:
+            The optimizer's state dict.
+        """
         if self.heal_mode.is_open:
             return self.heal_mode.optimizer_state(DDPStrategy.optimizer_state(self, optimizer))
         return self._in_group.optimizer_state(self, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """For a heal, this process's own state (with FSDP, the shards already wrapped back by the heal's check)."""
+        """Load the model's state from a checkpoint (with FSDP, a full state into the shards); for a heal, this
+        process's own state (with FSDP, the shards already wrapped back by the heal's check)."""
         if self.heal_mode.is_open:
             DDPStrategy.load_model_state_dict(self, checkpoint, strict=strict)
         else:
@@ -627,6 +776,8 @@ class FTStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizers' state from a checkpoint (with FSDP, a full state into the shards); for a heal, this
+        process's own state."""
         if self.heal_mode.is_open:
             DDPStrategy.load_optimizer_state_dict(self, checkpoint)
         else:
@@ -653,6 +804,8 @@ class FTStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: lightning.PathLike) -> None:
+        """On the checkpoint writer only: remove the checkpoint, its data-position sidecars and its entry in the job's
+        record."""
         if self.is_checkpoint_writer:
             self.checkpoint_io.remove_checkpoint(filepath)
             remove_sidecars(filepath)
@@ -662,7 +815,16 @@ class FTStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: lightning.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the shared checkpoint (``weights_only=True`` unless asked otherwise: the files hold plain data),
-        then give it this rank's own data position from its sidecar."""
+        then give it this rank's own data position from its sidecar.
+
+        Returns:
+            The checkpoint, with this rank's own data position.
+
+        Raises:
+            UnreadableCheckpointError: The file is corrupt or truncated, holds an object that a ``weights_only``
+                load refuses, or is not a Lightning checkpoint (``lightning_ft.checkpoint_io``).
+            FileNotFoundError: No file at ``checkpoint_path``.
+        """
         weights_only = True if weights_only is None else weights_only
         load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         checkpoint = load_checked(checkpoint_path, load)
@@ -683,6 +845,8 @@ class FTStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """As ``DDPStrategy``'s; then restore the job-shard environment variables, undo the loop patches and the
+        SIGTERM handler, and shut this group's Manager down (its servers and lighthouse connection)."""
         super().teardown()
         if self._environment_before is not None:
             forget_job_shard(self._environment_before)
@@ -698,3 +862,9 @@ class FTStrategy(DDPStrategy):
             self._protocol = None
             self._step = None
             self._telemetry = None
+
+
+# FTStrategy's own argument names: the suggestions for a misspelled one (lightning_ft.configuration).
+_OWN_ARGUMENTS = tuple(
+    name for name in inspect.signature(FTStrategy.__init__).parameters if name not in ("self", "kwargs")
+)

@@ -3,7 +3,7 @@
 torchx is the engine here: it starts the roles on whichever scheduler it is given (``local_cwd`` on one machine,
 ``slurm``, ``kubernetes``, ...), and restarting a failed group stays torchrun's job inside that group's role
 (``--max-restarts``), exactly as with ``lightning-ft launch``. Nothing in this module manages a cluster: it only
-describes the job. Install the extra with ``pip install lightning-ft[torchx]``, then from the command line (torchx
+describes the job. Install the extra with ``pip install '.[torchx]'`` in a clone, then from the command line (torchx
 reads a component from its file)::
 
     torchx run -s local_cwd "$(python -c 'import lightning_ft.torchx_component as c; print(c.__file__)')":ft_job \

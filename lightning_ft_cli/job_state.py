@@ -83,3 +83,46 @@ class JobState:
     def done(self) -> bool:
         """Nothing left to wait for: every group has exited, or the job finished and its grace has expired."""
         return not self.running or self.grace_expired()
+
+
+@dataclass
+class ArrivalWatch:
+    """Which groups have not reached the lighthouse (:mod:`lightning_ft_job.arrival`): one warning each.
+
+    A group that has not said it arrived ``warn_after`` seconds into the job, or that exits 0 without having said
+    so, most likely runs a Trainer without FTStrategy: it trains alone, on the same data as every other group. A
+    group that fails has its own message (:class:`JobState`), so none here.
+
+    Args:
+        group_ids: The groups this launcher started.
+        warn_after: Seconds from the launch.
+        clock: Monotonic seconds.
+    """
+
+    group_ids: tuple[int, ...]
+    warn_after: float
+    clock: Callable[[], float]
+    started_at: float = field(init=False)
+    _warned: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.started_at = self.clock()
+
+    def observe(self, exit_codes: Mapping[int, int | None], arrived: Set[int]) -> list[str]:
+        """Take one poll (each group's exit code, None while it runs, and the groups that arrived); return the
+        warnings to print, each group at most once."""
+        late = self.clock() - self.started_at >= self.warn_after
+        lines = []
+        for group in self.group_ids:
+            if group in arrived or group in self._warned:
+                continue
+            code = exit_codes.get(group)
+            if code == 0 or (code is None and late):
+                self._warned.add(group)
+                when = "exited 0" if code == 0 else f"has run {self.warn_after:g}s"
+                lines.append(
+                    f"warning: replica group {group} {when} without reaching the lighthouse: most likely its "
+                    f'Trainer has no FTStrategy (strategy="ft" after `import lightning_ft`), so it trains alone, on '
+                    f"the same data as the other groups (docs/quickstart.md)"
+                )
+        return lines

@@ -20,14 +20,13 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import IO
-from urllib.parse import urlsplit
 
 from lightning_ft_cli.chaos import ChaosMonkey, ChaosSchedule
-from lightning_ft_cli.job_state import JobState
+from lightning_ft_cli.group_environment import group_environment
+from lightning_ft_cli.job_state import ArrivalWatch, JobState
 from lightning_ft_cli.processes import STOP_GRACE_SECONDS, stop_process_sessions, terminate_with_parent
-from lightning_ft_job import run_end
-from lightning_ft_job.addresses import LOOPBACK, is_loopback, loopback_interface
-from lightning_ft_job.environment import ENV_HOSTNAME, ENV_INTERFACE, ENV_START_TIMEOUT
+from lightning_ft_job import arrival, run_end
+from lightning_ft_job.environment import ENV_START_TIMEOUT
 from lightning_ft_job.events import ENV_EVENTS_DIR, ENV_RUN_ID, new_run_id
 from lightning_ft_job.lighthouse_server import (
     LOCAL_HEARTBEAT_TIMEOUT_MS,
@@ -35,8 +34,7 @@ from lightning_ft_job.lighthouse_server import (
     LighthouseBindError,
     start_lighthouse,
 )
-from lightning_ft_job.run_end import ENV_RUN_END_DIR
-from lightning_ft_job.torchrun import group_variables, torchrun_arguments
+from lightning_ft_job.torchrun import torchrun_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="once a group has finished successfully, stop the others after this many seconds: a backstop, as a "
         "group restarted after the end exits by itself when the job keeps checkpoints (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warn-unreached-after",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="warn once about each group that has not reached the lighthouse this long into the job, or that exits 0 "
+        "without reaching it: most likely its Trainer has no FTStrategy (default: %(default)s)",
     )
     parser.add_argument(
         "--start-timeout",
@@ -138,58 +144,6 @@ def torchrun_command(nproc_per_group: int, max_restarts: int, cmd: list[str]) ->
     elif cmd[0].endswith(".py"):
         cmd = [sys.executable, *cmd]
     return [sys.executable, *torchrun_arguments(nproc_per_group, max_restarts), "--no-python", *cmd]
-
-
-def group_environment(
-    group_id: int,
-    num_groups: int,
-    lighthouse: str,
-    events_dir: str | None,
-    start_timeout: float | None = None,
-    run_id: str | None = None,
-    run_end_dir: str | os.PathLike[str] | None = None,
-) -> dict[str, str]:
-    env = dict(os.environ)
-    if run_end_dir is not None:  # where a group reports the run's end, and a restarted one learns of it
-        env[ENV_RUN_END_DIR] = os.path.abspath(run_end_dir)
-    env.update(group_variables(group_id, num_groups, lighthouse))
-    if run_id is not None:  # one run id for every group and restart: one event directory per run
-        env[ENV_RUN_ID] = run_id
-    if start_timeout is not None:
-        env[ENV_START_TIMEOUT] = f"{start_timeout:g}"
-    # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
-    # quorum wakes several of them. A group serves a few RPCs per step, which one worker thread handles; on one
-    # machine running every group, the spare threads' wake-ups compete with training (docs/benchmarks.md). torchft
-    # reads this variable when it builds those runtimes.
-    env.setdefault("TOKIO_WORKER_THREADS", "1")
-    # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for (--verbose).
-    env.setdefault("RUST_LOG", "warn")
-    env["PYTHONUNBUFFERED"] = "1"
-    if events_dir:
-        env[ENV_EVENTS_DIR] = os.path.abspath(events_dir)
-    env.update(local_listener_environment(lighthouse, env))
-    return env
-
-
-def local_listener_environment(lighthouse: str, env: dict[str, str]) -> dict[str, str]:
-    """Keep a one-machine job off the network: what to add to the groups' environment.
-
-    A lighthouse on a loopback address is reachable from this machine only, so every group is on this machine too:
-    the groups advertise (and so bind, see :mod:`lightning_ft.manager.listeners`) loopback, and Gloo's pairs bind to the
-    loopback interface. Values the user already set are kept.
-    """
-    host = urlsplit(lighthouse).hostname or ""
-    if not is_loopback(host):
-        return {}
-    extra = {}
-    if ENV_HOSTNAME not in env and ENV_INTERFACE not in env:  # a chosen interface is the user's choice of address
-        extra[ENV_HOSTNAME] = LOOPBACK
-    interface = loopback_interface()
-    if "GLOO_SOCKET_IFNAME" not in env and interface is not None:
-        extra["GLOO_SOCKET_IFNAME"] = interface
-    return extra
 
 
 def status_page_line(lighthouse: str) -> str:
@@ -337,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
     last_errors: dict[int, str] = {}
     monkey: ChaosMonkey | None = None
     job = JobState(group_ids, args.finish_grace, time.monotonic)
+    arrivals = ArrivalWatch(group_ids, args.warn_unreached_after, time.monotonic)
     # Where the groups report the run's end (lightning_ft_job.run_end): a folder of this launch's unless set.
     configured_run_end_dir = run_end.configured_directory()
     own_run_end_dir = None if configured_run_end_dir else tempfile.mkdtemp(prefix="lightning-ft-run-end-")
@@ -369,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         while not stop.is_set():
             # Every group, every poll: the job's state never depends on which group's process exits first.
             exit_codes = {group.group_id: group.process.poll() for group in groups}
+            for line in arrivals.observe(exit_codes, arrival.arrived_groups(run_end_dir, run_id, group_ids)):
+                _say(f"lightning-ft launch: {line}")
             for line in job.observe(exit_codes, set(run_end.finished_groups(run_end_dir, run_id))):
                 _say(f"lightning-ft launch: {line}")
             if job.done():

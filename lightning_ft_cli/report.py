@@ -3,7 +3,7 @@
 Three panels, one colour per replica group: participants over committed steps, participants over wall-clock time
 (with the heals and failures marked on both), and the training loss over committed steps. The events are read by
 :mod:`lightning_ft_cli.timeline`; this module only draws. matplotlib is imported when a picture is drawn, not before:
-it is an optional dependency (``pip install 'lightning-ft[report]'``), and the rest of the command line must work
+it is an optional dependency (the ``report`` extra), and the rest of the command line must work
 without it.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_ft_cli.timeline import GroupTimeline, Mark, NoEventLogError, Timeline, load_timeline
 
-INSTALL_HINT = "pip install 'lightning-ft[report]'  (or the [bench] extra, or just matplotlib)"
+INSTALL_HINT = "pip install matplotlib (the report extra: pip install '.[report]' in a clone of lightning-ft)"
 
 # marker, face colour ("group": the group's colour, "none": hollow), label
 MARKS = {
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightning-ft report: {error}", file=sys.stderr)
         return 2
     try:
-        render(timeline, Path(args.output), title=str(args.run_dir))
+        render(timeline, Path(args.output), title=timeline.name)
     except MissingMatplotlibError as error:
         print(f"lightning-ft report: {error}", file=sys.stderr)
         return 2
@@ -67,7 +67,10 @@ def summary(timeline: Timeline) -> str:
         )
     for group, data in timeline.groups.items():
         committed = [p for p in data.points if p.committed]
-        heals = ", ".join(f"step {h.step}" + (f" ({h.detail})" if h.detail else "") for h in data.heals) or "none"
+        recoveries, initial_syncs = split_heals(data.heals)
+        heals = ", ".join(f"step {h.step}" + (f" ({h.detail})" if h.detail else "") for h in recoveries) or "none"
+        if initial_syncs:
+            heals += f"; {_plural(len(initial_syncs), 'initial sync')} from a peer"
         failures = {kind: sum(f.kind == kind for f in data.failures) for kind in ("uncommitted", "skipped", "died")}
         stalls = [f"step {f.step} ({f.detail})" for f in data.failures if f.kind == "stalled"]
         lines.append(
@@ -85,8 +88,7 @@ def headline(timeline: Timeline) -> str:
     started after another, not a recovery."""
     marks = [m for g in timeline.groups.values() for m in g.failures]
     count = {kind: sum(m.kind == kind for m in marks) for kind in ("died", "uncommitted", "skipped")}
-    heals = [m for g in timeline.groups.values() for m in g.heals]
-    recoveries = sum(h.step > 0 for h in heals)
+    recoveries, initial_syncs = split_heals([m for g in timeline.groups.values() for m in g.heals])
     parts = [
         f"{timeline.num_replica_groups} replica groups",
         _plural(timeline.committed_steps, "committed step"),
@@ -95,10 +97,16 @@ def headline(timeline: Timeline) -> str:
     ]
     if count["skipped"]:
         parts.append(_plural(count["skipped"], "skipped step"))
-    parts.append(_plural(recoveries, "heal"))
-    if len(heals) > recoveries:
-        parts.append(_plural(len(heals) - recoveries, "initial sync"))
+    parts.append(_plural(len(recoveries), "heal"))
+    if initial_syncs:
+        parts.append(_plural(len(initial_syncs), "initial sync"))
     return ", ".join(parts)
+
+
+def split_heals(heals: list[Mark]) -> tuple[list[Mark], list[Mark]]:
+    """A group's heals as the report counts them, in words and picture alike: recoveries (after step 0), and
+    initial syncs (a heal at step 0: a group that started after another took its initial state, not a recovery)."""
+    return [h for h in heals if h.step > 0], [h for h in heals if h.step <= 0]
 
 
 def _plural(number: int, noun: str) -> str:

@@ -75,6 +75,12 @@ class Timeline:
     start: float  # the earliest event, the origin of the time axis
     num_replica_groups: int
     other_runs: list[str] = field(default_factory=list)  # runs found beside the one drawn (``--run`` picks one)
+    run: str = ""  # the run's id, as its groups logged it (else its event directory's name)
+
+    @property
+    def name(self) -> str:
+        """How the report names the run (its title): by its id."""
+        return f"run {self.run}"
 
     @property
     def committed_steps(self) -> int:
@@ -186,8 +192,10 @@ def load_timeline(run_dir: str | Path, run: str | None = None) -> Timeline:
     _place_on_steps(groups)
     declared = [int(r["replica_groups"]) for r in records if r["event"] == "started" and "replica_groups" in r]
     num_groups = max([*declared, max(groups) + 1])
+    run_ids = [str(r["run"]) for r in records if r["event"] == "started" and r.get("run")]
     return Timeline(
-        sources=[found.directory],
+        run=run_ids[0] if run_ids else found.directory.name,
+        sources=[found.directory.resolve()],
         groups=groups,
         start=records[0]["time"],
         num_replica_groups=num_groups,

@@ -44,7 +44,7 @@ def _in_name(run_id: str) -> str:
     return run_id.replace(os.sep, "_")
 
 
-def _write_json(path: Path, data: dict[str, object]) -> None:
+def write_json(path: Path, data: dict[str, object]) -> None:
     """Write ``data`` to a temporary name beside ``path`` and rename it: a reader never sees half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -54,7 +54,7 @@ def _write_json(path: Path, data: dict[str, object]) -> None:
 
 def report_finished(directory: str | os.PathLike[str], report: GroupFinished) -> None:
     """Write ``report`` into ``directory`` (created if missing)."""
-    _write_json(Path(directory) / f"{_PREFIX}{_in_name(report.run_id)}.group{report.group}.json", report.__dict__)
+    write_json(Path(directory) / f"{_PREFIX}{_in_name(report.run_id)}.group{report.group}.json", report.__dict__)
 
 
 def finished_groups(directory: str | os.PathLike[str] | None, run_id: str) -> dict[int, GroupFinished]:
@@ -88,7 +88,7 @@ def record_reached(directory: str | os.PathLike[str], run_id: str, step: int) ->
     own, at step 0; a later restart must still know that the job was past it."""
     if step <= reached(directory, run_id):
         return
-    _write_json(_reached_path(directory, run_id), {"run_id": run_id, "step": int(step)})
+    write_json(_reached_path(directory, run_id), {"run_id": run_id, "step": int(step)})
 
 
 def reached(directory: str | os.PathLike[str] | None, run_id: str) -> int:

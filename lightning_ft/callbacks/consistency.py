@@ -91,6 +91,13 @@ class ReplicaConsistencyCheck(Callback):
     Args:
         every_n_steps: Check when the committed step count is a multiple of this (and at the last step).
         on_divergence: ``"heal"`` or ``"stop"``.
+
+    Attributes:
+        checks: How many checks this callback has run in this process.
+
+    Raises:
+        FTConfigError: ``every_n_steps`` is not an integer >= 1, or ``on_divergence`` is neither ``"heal"`` nor
+            ``"stop"``.
     """
 
     def __init__(self, every_n_steps: int = DEFAULT_EVERY_N_STEPS, on_divergence: OnDivergence = "heal") -> None:
@@ -108,6 +115,11 @@ class ReplicaConsistencyCheck(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a semi-synchronous fit, whose replicas differ by design between two syncs.
+
+        Raises:
+            FTConfigError: The fit's ``algorithm`` is ``"local_sgd"`` or ``"diloco"``.
+        """
         if stage == "fit" and is_semi_sync(trainer):
             raise FTConfigError(
                 "ReplicaConsistencyCheck works with algorithm='ddp' only: with local_sgd/diloco replicas differ by "
@@ -119,6 +131,13 @@ class ReplicaConsistencyCheck(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Run the check when the step this batch committed is due (every ``every_n_steps``, and the last).
+
+        Raises:
+            ReplicaDivergedError: This group's state differs from the majority's (``on_divergence="heal"``), or
+                any group's does (``"stop"``), or no strict majority exists.
+            StrategyRequiredError: The strategy has no torchft Manager, step protocol or collectives.
+        """
         if lightning.should_accumulate(trainer):  # no vote in this batch
             return
         if not ft_step_protocol(trainer).last_step_committed:

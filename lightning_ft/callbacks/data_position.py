@@ -65,6 +65,12 @@ class DataPositionCallback(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: observe each step's start, add the loop position to the Manager's heal payload, and hook the
+        epoch loop's start (where a resume moves the iterator).
+
+        Raises:
+            StrategyRequiredError: The strategy has no torchft Manager or step protocol (not FTStrategy).
+        """
         if stage != "fit":
             return
         self._step_start = self._pending = self._resume = None
@@ -92,6 +98,7 @@ class DataPositionCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Undo the epoch loop's hook."""
         self._patches.undo()
 
     # ------------------------------------------------------------------ resume
@@ -151,6 +158,8 @@ class DataPositionCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """After the batch that healed: move this group's iterator to its peer's next batch index, in its own shard
+        (a ``training_step`` that reads the dataloader itself is left where it is, with a warning)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

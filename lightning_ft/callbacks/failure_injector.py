@@ -82,6 +82,11 @@ class Failure:
         target: ``corrupt`` only: what changes. ``"weights"`` (the first weight), ``"optimizer"`` (the first
             element of the first optimizer's first state tensor, such as Adam's first moment) or
             ``"callback:<state_key>"`` (the first number of that callback's ``state_dict()``, loaded back).
+
+    Raises:
+        FTConfigError: A field has a value that cannot work (an unknown ``kind`` or ``at``, a combination that
+            cannot fire, a negative ``step``, ``group`` or ``rank``, ``steps`` < 1, ``seconds`` not a positive
+            number, ``target`` without ``kind="corrupt"``). The message names the field.
     """
 
     kind: str
@@ -125,6 +130,10 @@ class FailureInjector(Callback):
     Args:
         failures: The failures, as :class:`Failure` objects or dicts of its fields (YAML).
         every_attempt: Fire in every life of the process, not only the first.
+
+    Raises:
+        FTConfigError: A failure given as a dict has a field that :class:`Failure` refuses.
+        TypeError: A dict has a key that is not a field of :class:`Failure`.
     """
 
     def __init__(self, failures: list[Failure] | list[dict[str, Any]], every_attempt: bool = False) -> None:
@@ -136,6 +145,12 @@ class FailureInjector(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: keep the failures meant for this process (its group and group rank, and its life unless
+        ``every_attempt``), and hook the cross-group allreduce for those that fire there.
+
+        Raises:
+            StrategyRequiredError: A failure fires ``at="allreduce"`` and the strategy has no torchft Manager.
+        """
         if stage != "fit":
             return
         settings = ft_settings(trainer)
@@ -166,11 +181,20 @@ class FailureInjector(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Fire the failures due at this batch's start. ``kill`` does not return; ``hang`` returns once the process
+        is continued.
+
+        Raises:
+            InjectedFailure: A ``kind="raise"`` failure is due.
+            FTConfigError: A due ``kind="corrupt"`` failure's ``target`` names no state (no optimizer state yet, no
+                callback with that ``state_key`` and a number).
+        """
         for failure in self._due(trainer, "batch_start"):
             self._fire(failure, trainer, pl_module)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the hooks that made this step's gradients NaN (``kind="nan"``)."""
         for handle in self._nan_hooks:
             handle.remove()
         self._nan_hooks.clear()

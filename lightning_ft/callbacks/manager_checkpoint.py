@@ -23,11 +23,18 @@ class ManagerCheckpointCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remember the trainer, whose Manager :meth:`state_dict` and :meth:`load_state_dict` read."""
         # Lightning restores callback state after `setup`, so the trainer (and its Manager) is known by then.
         self._trainer = trainer
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The Manager's state, for the checkpoint.
+
+        Returns:
+            The Manager's ``state_dict()`` under the key ``"manager"``, or an empty dict when no Manager runs (not
+            FTStrategy, or after the fit).
+        """
         if self._trainer is None or not has_ft_manager(self._trainer):
             return {}
         return {"manager": dict(ft_manager(self._trainer).state_dict())}
@@ -46,5 +53,7 @@ class ManagerCheckpointCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the Manager's committed step count from what :meth:`state_dict` saved (nothing without a
+        Manager)."""
         if "manager" in state_dict and self._trainer is not None and has_ft_manager(self._trainer):
             ft_manager(self._trainer).load_state_dict(state_dict["manager"])

@@ -40,20 +40,20 @@ class FaultToleranceMonitor(Callback):
     this group's own (:mod:`lightning_ft.manager.telemetry`), and Lightning's rank-zero rule, which FTStrategy makes
     job-wide, lets group 0's rank 0 write them. With no logger or ``log_every_n_steps=0`` nothing is logged.
 
-    ====================================  ===================================================================
-    ``ft/participants``                   replica groups in the latest quorum
-    ``ft/quorum_id``                      the lighthouse's id of that quorum (it changes when membership does)
-    ``ft/committed_steps``                the Manager's committed step count (the same in every group)
-    ``ft/uncommitted_steps``              votes of this group that did not commit, in this process
-    ``ft/non_finite_skips``               of those, steps every replica skipped for a non-finite gradient
-    ``ft/batches_committed``              torchft's count: the sum of participants over committed steps
-    ``ft/heals``                          heals of this group, in this process
-    ``ft/heal_seconds``                   the latest heal's duration (receive + apply); from the first heal on
-    ``ft/quorum_wait_seconds``            how long this step's training thread waited for its quorum
-    ``ft/quorum_wait_seconds_total``      all quorum waits of this process, sync sections included
-    ``ft/data_refetches``                 ``data_mode="exactly_once"`` only: batches read again in this process
-                                          because the loader's prediction of the step's placement was wrong
-    ====================================  ===================================================================
+    | Metric                             | Meaning                                                              |
+    | ---------------------------------- | -------------------------------------------------------------------- |
+    | ``ft/participants``                | replica groups in the latest quorum                                  |
+    | ``ft/quorum_id``                   | the lighthouse's id of that quorum (it changes when membership does) |
+    | ``ft/committed_steps``             | the Manager's committed step count (the same in every group)         |
+    | ``ft/uncommitted_steps``           | votes of this group that did not commit, in this process             |
+    | ``ft/non_finite_skips``            | of those, steps every replica skipped for a non-finite gradient      |
+    | ``ft/batches_committed``           | torchft's count: the sum of participants over committed steps        |
+    | ``ft/heals``                       | heals of this group, in this process                                 |
+    | ``ft/heal_seconds``                | the latest heal's duration (receive + apply); from the first heal on |
+    | ``ft/quorum_wait_seconds``         | how long this step's training thread waited for its quorum           |
+    | ``ft/quorum_wait_seconds_total``   | all quorum waits of this process, sync sections included             |
+    | ``ft/data_refetches``              | ``data_mode="exactly_once"`` only: batches read again in this        |
+    |                                    | process because the loader's prediction of the placement was wrong   |
 
     **Progress bar.** ``replicas P/N`` (participants of the latest quorum / ``num_replica_groups``), through the
     progress bar's ``get_metrics``, Lightning's documented place to add items. It is wrapped on the progress bar
@@ -80,6 +80,8 @@ class FaultToleranceMonitor(Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Wrap the progress bar: ``replicas P/N`` among its metrics, and Lightning's own bars count committed
+        batches."""
         self._heals_logged = 0
         bar = trainer.progress_bar_callback
         self._patches.undo()
@@ -98,6 +100,7 @@ class FaultToleranceMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Undo the progress bar's wrapping."""
         self._patches.undo()
 
     def _show_replicas(self, bar: ProgressBar) -> None:
@@ -145,6 +148,8 @@ class FaultToleranceMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Give every logger the ``ft/`` metrics when Lightning logs this batch's, or when this group has healed since
+        they were last logged (nothing without a logger or a Manager)."""
         if not trainer.loggers or not has_ft_manager(trainer):
             return
         telemetry = ft_telemetry(trainer)
@@ -159,7 +164,18 @@ class FaultToleranceMonitor(Callback):
 
     @staticmethod
     def metrics(trainer: pl.Trainer) -> dict[str, float]:
-        """The ``ft/`` metrics now. Reads counters only: no collective, no device work, no waiting on a quorum."""
+        """The ``ft/`` metrics now. Reads counters only: no collective, no device work, no waiting on a quorum.
+
+        Args:
+            trainer: A trainer whose strategy runs a torchft Manager.
+
+        Returns:
+            Each metric's value by its ``ft/`` name (the table above); the optional ones only where they exist.
+
+        Raises:
+            StrategyRequiredError: The strategy has no torchft Manager (not FTStrategy, or not fitting, validating
+                or testing).
+        """
         manager = ft_manager(trainer)
         values: dict[str, float] = {
             "committed_steps": manager.current_step(),
@@ -187,6 +203,7 @@ class FaultToleranceMonitor(Callback):
     # ------------------------------------------------------------------ failures
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Record the exception that ends the run as an ``exception`` event (type, message, committed step)."""
         step = ft_manager(trainer).current_step() if has_ft_manager(trainer) else None
         events.emit("exception", step=step, type=type(exception).__name__, message=str(exception)[:1000])
 

@@ -30,8 +30,20 @@ class QuorumCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Begin the optimizer step: its quorum opens (once per accumulation window) and ``trainer.global_step`` is
+        put on the committed step count.
+
+        Raises:
+            StrategyRequiredError: The strategy has no step owner (not FTStrategy, or a semi-synchronous
+                ``algorithm``, which uses ``SyncCallback`` instead).
+        """
         ft_step_owner(trainer).begin(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Open a sync section, so that the epoch end's reductions may cross groups.
+
+        Raises:
+            StrategyRequiredError: The strategy has no cross-group collectives (not FTStrategy).
+        """
         ft_collectives(trainer).open_section()

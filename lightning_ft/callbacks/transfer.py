@@ -45,6 +45,12 @@ class StateTransferCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: register the training state's save and load functions with this fit's Manager (and, with
+        lightning-ft's Manager, the check that refuses a state that does not fit this replica).
+
+        Raises:
+            StrategyRequiredError: The strategy has no torchft Manager (not FTStrategy).
+        """
         if stage != "fit":
             return
         manager = ft_manager(trainer)  # a new Manager for every fit, so registering once per fit is exactly right

@@ -34,7 +34,12 @@ log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 @dataclass(frozen=True)
 class JobShard:
-    """This process's rank among every process of the job, and their number."""
+    """This process's rank among every process of the job, and their number.
+
+    Attributes:
+        rank: This process's job-wide rank, in ``[0, world_size)``.
+        world_size: How many processes the job has: ``num_replica_groups × group size`` under FTStrategy.
+    """
 
     rank: int
     world_size: int
@@ -47,6 +52,9 @@ def job_shard() -> JobShard:
     it, torch.distributed's rank and world size when a process group exists, else rank 0 of 1, so that a dataset
     written with it runs unchanged in plain DDP or in one process. Combine it with
     ``torch.utils.data.get_worker_info()`` to split a shard further among DataLoader workers.
+
+    Returns:
+        This process's job-wide rank and the job's world size (rank 0 of 1 outside any distributed run).
     """
     rank, world_size = os.environ.get(ENV_JOB_RANK), os.environ.get(ENV_JOB_WORLD_SIZE)
     if rank is not None and world_size is not None:

@@ -66,6 +66,7 @@ from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_stor
 from lightning_ft.manager.local_vote import LocalCommitVote
 from lightning_ft.manager.quorum_members import QuorumMembers
 from lightning_ft.manager.telemetry import TimedTransport
+from lightning_ft.manager.torchft_logs import quiet_torchft_logs
 from lightning_ft.manager.vote_inputs import VoteInputs
 from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, StoreCheckedProcessGroupNCCL
 from lightning_ft.settings import FTConfigError, FTSettings
@@ -164,20 +165,6 @@ def _fresh_group_store(group_rank: int, group_world_size: int, hostname: str) ->
         dist.broadcast_object_list(address, src=0)
     host, port = cast(tuple[str, int], address[0])
     return store, str(host), int(port)
-
-
-def _not_the_flight_recorder_warning(record: logging.LogRecord) -> bool:
-    """torchft logs "Unable to reset NCCL flight recorder" at every reconfiguration of the process group on a torch
-    build without NCCL's flight recorder (every CPU build), where there is nothing to reset."""
-    return "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-def quiet_torchft_logs() -> None:
-    """Without NCCL's flight recorder, drop torchft's warning that it cannot reset it (its Rust side's per-step INFO
-    lines are off already: ``RUST_LOG``, set where ``lightning_ft`` is first imported). ``addFilter`` adds a filter
-    once however often this runs."""
-    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):
-        logging.getLogger("torchft.manager").addFilter(_not_the_flight_recorder_warning)
 
 
 def build_manager(

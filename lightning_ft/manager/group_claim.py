@@ -72,7 +72,8 @@ class GroupClaimCheck:
         client: The client to wrap.
         lighthouse: The lighthouse URL (its status page is read only when a duplicate shows up).
         replica_id: This process lifetime's replica id, as torchft registered it (with its uuid).
-        read_status, sleep: The status page reader and the sleep (replaceable in tests).
+        read_status: The status page reader (replaceable in tests).
+        sleep: The sleep (replaceable in tests).
         liveness_wait: Seconds to wait before checking that the keeper is alive.
     """
 

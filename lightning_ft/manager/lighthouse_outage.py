@@ -116,7 +116,8 @@ class OutageTolerantClient:
         outage_timeout: Seconds a single outage may last before the quorum fails with
             :class:`LighthouseUnavailableError`; ``None`` waits for as long as it takes.
         reachable: Probe of the lighthouse (replaceable in tests).
-        clock, sleep: Time sources (replaceable in tests).
+        clock: Time source (replaceable in tests).
+        sleep: Sleep (replaceable in tests).
         probe_interval: Seconds between probes while a request is pending or the lighthouse is down.
         rejoin_grace: Seconds a returned lighthouse must have been reachable before the request is made again.
         new_client: Makes a fresh client to the same ManagerServer, for the rescue of a request the outage left

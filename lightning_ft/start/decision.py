@@ -61,6 +61,10 @@ class JobAlreadyFinished(LightningFTError):
     A caller may catch it like any exception. Left uncaught, it ends the process with exit code 0, not 1: an engine
     that started the group again after the end (torchrun, a scheduler) then counts the group as done instead of
     starting it once more (:func:`job_already_finished`).
+
+    Attributes:
+        step: The committed step at which the run finished.
+        message: The line the group printed, naming the run and where it finished.
     """
 
     def __init__(self, step: int, message: str) -> None:

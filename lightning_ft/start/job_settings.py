@@ -48,7 +48,11 @@ MAY_DIFFER_CALLBACKS: tuple[type[pl.Callback], ...] = (
 
 
 class JobContractError(LightningFTError, ValueError):
-    """This replica group is set up for another job than its peers: a setting that every group must share differs."""
+    """This replica group is set up for another job than its peers: a setting that every group must share differs.
+
+    Raised at the job's first quorum in the group that differs (``docs/your-code.md``, what every group must agree
+    on); the message names each setting, its value here and there.
+    """
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ class LastStepCheck:
         group_rank: This process's rank in its group; rank 0 reads the lighthouse and the reports.
         broadcast: The group's broadcast from rank 0.
         reports: This run's end reports (:func:`lightning_ft_job.run_end.finished_groups`).
-        read_status, clock: The lighthouse reader and the clock (replaceable in tests).
+        read_status: The lighthouse reader (replaceable in tests).
+        clock: The clock (replaceable in tests).
     """
 
     def __init__(

@@ -31,7 +31,7 @@ from lightning_ft.start.decision import (
 from lightning_ft.start.last_step import LastStepCheck
 from lightning_ft.start.record import JobRecord, durable_checkpoint_dirs
 from lightning_ft.step.protocol import StepProtocol
-from lightning_ft_job import events, run_end
+from lightning_ft_job import arrival, events, run_end
 from lightning_ft_job.environment import torchrun_restart_count
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -122,6 +122,8 @@ class GroupLifecycle:
         decision = None
         if self._group_rank == 0:
             settings = self._settings
+            # The Manager is up and heartbeats to the lighthouse: the launcher needs no warning about this group.
+            arrival.report_arrived(self._run_id, settings.replica_group_id)
             decision = decide_start(
                 StartContext(
                     group=settings.replica_group_id,

@@ -191,9 +191,12 @@ def fsdp_cross_group_hook(
 
 
 def install_ddp_cross_group_hook(
-    model: DistributedDataParallel, manager: Manager, protocol: StepProtocol, group_size: int
+    model: DistributedDataParallel, manager: Manager, protocol: StepProtocol, group_size: int, several_groups: bool
 ) -> FTCommState:
     """Register :func:`ft_allreduce_hook` on the group's DDP wrapper; returns its state.
+
+    In a job of several groups without the unused-parameter search, the bucket layout is pinned first
+    (:func:`pin_bucket_layout`); one group has no other group's layout to match and keeps DDP's own.
 
     Gloo's own timeout bounds a hung allreduce (and lightning-ft's Gloo process group gives up one that the other
     members have left behind: :mod:`lightning_ft.process_group.left_behind`); other process groups get the Manager's
@@ -208,8 +211,14 @@ def install_ddp_cross_group_hook(
         needs_manager_timeout=not gloo,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
-    if not model.find_unused_parameters:
+    if several_groups and not model.find_unused_parameters:
         pin_bucket_layout(model)
+    elif several_groups and dist.get_rank() == 0:  # why torch may warn about a setting the user did not make
+        log.info(
+            "lightning-ft: find_unused_parameters=True keeps one gradient bucket layout in every replica group, "
+            "restarted ones included (docs/configuration.md); torch's note that it found no unused parameter is "
+            "expected."
+        )
     return state
 
 

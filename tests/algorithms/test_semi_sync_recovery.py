@@ -248,6 +248,9 @@ def test_semi_sync_sigkill_during_a_sync(launch, algorithm, fragments, delay):
     cut, *later = after(job, killed_at)
     assert not cut["committed"], f"the sync that group 1 died in committed on group 0: {cut}"
     assert later and all(e["committed"] for e in later), later
+    # Group 0 was inside the sync's allreduce when group 1 died: torchft handled it, and said so in one line.
+    # Checked to fail at 6bcf74e, where group 0 printed torchft's full traceback (up to 4 per run).
+    job.assert_peer_deaths_were_one_line_each(survivor=0)
     record(f"SIGKILL during a {algorithm} sync (delay {delay})", job, failed_at=killed_at, victim=1, survivors=[0],
            unit="syncs")  # fmt: skip
 

@@ -322,7 +322,7 @@ def test_a_checkpoint_directory_finds_the_newest_run_of_its_root_and_an_events_d
     two_group_run(events_root / "20261126-101010-abc123")
     (tmp_path / "checkpoints").mkdir()
     newest = load_timeline(tmp_path / "checkpoints")
-    assert newest.sources == [events_root / "20261126-101010-abc123"] and newest.committed_steps == 6
+    assert newest.sources == [(events_root / "20261126-101010-abc123").resolve()] and newest.committed_steps == 6
     assert newest.other_runs == ["ft_events"]
     assert load_timeline(events_root / "20261126-101010-abc123").other_runs == []
     assert load_timeline(tmp_path, run="ft_events").committed_steps == 0
@@ -351,6 +351,32 @@ def test_the_headline_counts_a_death_and_its_lost_step_apart_and_no_initial_sync
     )
 
 
+def test_the_reports_words_say_what_its_picture_says_and_its_title_names_the_run(tmp_path, monkeypatch, capsys):
+    """The summary's heals are the picture's heals (a late starter's step-0 sync is an initial sync in both), and
+    the title is the run's id, also for ``lightning-ft report .``. Checked to fail at 6bcf74e: the summary listed
+    "heals: step 0 (0.1 s), ..." beside "2 heals, 1 initial sync", and the title was "."."""
+    test_the_headline_counts_a_death_and_its_lost_step_apart_and_no_initial_sync_as_a_heal(
+        tmp_path / "ft_events" / "r1"
+    )
+    with open(tmp_path / "ft_events" / "r1" / "group0.rank0.jsonl", "a") as file:  # the run id its groups logged
+        file.write(
+            json.dumps({"group": 0, "rank": 0, "event": "started", "time": 0.0, "pid": 10, "run": "r-42"}) + "\n"
+        )
+    titles: list[str] = []
+    monkeypatch.setattr(report, "render", lambda timeline, output, title="": titles.append(title))
+    monkeypatch.chdir(tmp_path)
+    assert report.run(report_args(Path("."), tmp_path / "timeline.png")) == 0
+    said = capsys.readouterr().out
+    timeline = load_timeline(tmp_path)
+    headline = report.headline(timeline)
+    assert titles == ["run r-42"], titles
+    assert "2 heals, 1 initial sync" in headline
+    assert "heals: step 2 (0.10 s), step 3 (0.10 s); 1 initial sync from a peer" in said, said
+    assert "step 0" not in said, said
+    words = sum(len(report.split_heals(group.heals)[0]) for group in timeline.groups.values())
+    assert f"{words} heals" in headline
+
+
 def test_report_draws_a_png_and_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
     two_group_run(tmp_path / "events")
     args = report_args(tmp_path, tmp_path / "out" / "timeline.png")
@@ -362,7 +388,7 @@ def test_report_draws_a_png_and_names_the_extra_when_matplotlib_is_missing(tmp_p
     ) in capsys.readouterr().out
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if it were not installed
     assert report.run(report_args(tmp_path, tmp_path / "again.png")) == 2
-    assert "lightning-ft[report]" in capsys.readouterr().err
+    assert "pip install matplotlib (the report extra" in capsys.readouterr().err
     assert not (tmp_path / "again.png").exists()
 
 

@@ -37,11 +37,12 @@ GRACE_S = 3.0
 
 PLAY = r"""
 import os, sys, time
-from lightning_ft_job import run_end
+from lightning_ft_job import arrival, run_end
 roles, gates = sys.argv[1].split(","), sys.argv[2]
 group = int(os.environ["REPLICA_GROUP_ID"])
 role = roles[group]
 run = os.environ["LIGHTNING_FT_RUN_ID"]
+arrival.report_arrived(run, group)  # as a training group's rank 0 does once its Manager is up
 where = os.environ["LIGHTNING_FT_RUN_END_DIR"]
 def wait_for_gate(name):
     deadline = time.monotonic() + 60

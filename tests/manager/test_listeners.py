@@ -15,7 +15,7 @@ from helpers import trainer as make_trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ft import FTStrategy
-from lightning_ft_cli.launch import local_listener_environment
+from lightning_ft_cli.group_environment import local_listener_environment
 from lightning_ft_job.addresses import is_loopback
 from lightning_ft_job.environment import ENV_HOSTNAME
 

@@ -202,6 +202,7 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
     job.wait_for("group 1 to ask for its first quorum", lambda: job.events("joining", pid=restarted))
     job.release_until_healed({0: hold}, 1, since=killed_at)
     assert_outcome(job, restarted=1, max_steps=max_steps, replicas=2)
+    job.assert_peer_deaths_were_one_line_each(survivor=0)  # a traceback at 6bcf74e (torchft's, in validation)
     record("SIGKILL of a group inside validation (sync quorum, pg heal)", job, failed_at=killed_at, victim=1,
            survivors=[0])  # fmt: skip
 

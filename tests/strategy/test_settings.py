@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from lightning_ft import FTConfigError, FTStrategy
@@ -53,6 +55,48 @@ def test_bad_values_are_refused_naming_the_setting(monkeypatch, kwargs, names):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(FTConfigError, match=names):
         FTStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"replica_groups": 2}, "unknown argument replica_groups (did you mean num_replica_groups"),
+        ({"lighthose": "http://h:1"}, "unknown argument lighthose (did you mean lighthouse?)"),
+        ({"find_unused_parameter": True}, "(did you mean find_unused_parameters"),
+        ({"mp_policy": None}, "mp_policy (FSDP2's name: FTStrategy takes it as fsdp_mixed_precision)"),
+    ],
+)
+def test_a_misspelled_argument_fails_at_construction_naming_the_nearest_valid_names(monkeypatch, kwargs, says):
+    """Before this check, ``FTStrategy(replica_groups=2)`` was built, started a lighthouse at setup and failed inside
+    torch's DDP constructor. Now construction refuses it, and nothing has started: no thread."""
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    threads = set(threading.enumerate())
+    with pytest.raises(FTConfigError) as raised:
+        FTStrategy(**kwargs)
+    assert says in str(raised.value), str(raised.value)
+    assert "docs/configuration.md" in str(raised.value)
+    assert set(threading.enumerate()) == threads
+
+
+def test_what_ddp_strategy_and_torch_ddp_accept_is_still_passed_on(monkeypatch):
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = FTStrategy(bucket_cap_mb=10, broadcast_buffers=False, static_graph=False, start_method="popen")
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 10 and strategy._ddp_kwargs["broadcast_buffers"] is False
+    assert strategy._start_method == "popen"
+
+
+def test_the_unused_parameter_search_is_on_only_where_groups_must_agree_on_buckets(monkeypatch):
+    """One group runs as DDP does (no search, no torch warning about a setting nobody made); several groups search,
+    which keeps one bucket layout everywhere (docs/configuration.md); an explicit choice wins."""
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    assert FTStrategy()._ddp_kwargs["find_unused_parameters"] is False
+    assert FTStrategy(find_unused_parameters=True)._ddp_kwargs["find_unused_parameters"] is True
+    several = {"num_replica_groups": 2, "lighthouse": "http://h:1"}
+    assert FTStrategy(**several)._ddp_kwargs["find_unused_parameters"] is True
+    assert FTStrategy(**several, find_unused_parameters=False)._ddp_kwargs["find_unused_parameters"] is False
 
 
 def test_non_integer_environment_is_refused(monkeypatch):

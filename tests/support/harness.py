@@ -273,6 +273,19 @@ class LaunchedJob:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def assert_peer_deaths_were_one_line_each(self, survivor: int) -> None:
+        """A survivor's terminal output (its ``[group N]`` lines) holds no traceback for a peer's death: torchft's
+        handled failures are one line each, their tracebacks in the event log (``lightning_ft.manager.torchft_logs``).
+        Call after the job ended (the log is complete)."""
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                 if line.startswith(f"[group {survivor}]")]  # fmt: skip
+        tracebacks = [line for line in lines if "Traceback (most recent call last)" in line]
+        assert not tracebacks, "\n".join(lines[-80:])
+        said = [line for line in lines if "(torchft handles it; the traceback: the event log)" in line]
+        recorded = self.events("torchft_error", group=survivor)
+        assert said and len(recorded) >= len(said), (said, recorded)
+        assert all("Traceback (most recent call last)" in record["traceback"] for record in recorded), recorded
+
     def stop(self) -> None:
         """Stop the launcher we started: SIGTERM (it stops its groups), then SIGKILL its session as a last resort."""
         if self.process.poll() is None:
