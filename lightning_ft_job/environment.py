@@ -18,6 +18,9 @@ ENV_HOSTNAME = "LIGHTNING_FT_HOSTNAME"
 ENV_INTERFACE = "LIGHTNING_FT_INTERFACE"
 # How long a group waits for every group of the job to start before the job starts with those present (seconds).
 ENV_START_TIMEOUT = "LIGHTNING_FT_START_TIMEOUT"
+# A folder where each group's torchrun agent writes every thread's Python stack when sent SIGUSR1
+# (lightning_ft_job.torchrun_agent): what an agent that does not end is doing.
+ENV_STACKS_DIR = "LIGHTNING_FT_STACKS_DIR"
 # Set by torchrun's agent in every process it starts.
 ENV_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 ENV_TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

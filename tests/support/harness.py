@@ -28,6 +28,7 @@ from helpers import listening_sockets as listening_sockets
 from helpers import process_gone as process_gone
 
 from lightning_ft.manager.lighthouse_status import StatusPageUnreadable, read_status_page
+from lightning_ft_job.environment import ENV_STACKS_DIR
 from lightning_ft_job.events import EventLogReader
 
 WORKERS = Path(__file__).resolve().parent / "workers"  # the programs real-process tests run
@@ -247,6 +248,8 @@ class LaunchedJob:
                 assert time.monotonic() - since < bound_s, (
                     f"still running {bound_s}s after {after}:\n"
                     + "\n".join(describe_process(pid) for pid in left)
+                    + "\n"
+                    + self.agent_stacks(left)
                     + f"\nprocesses that said why they stop: {self.events('sigterm')}\n{self.tail()}"
                 )
                 time.sleep(0.1)
@@ -254,6 +257,21 @@ class LaunchedJob:
             for pid in pids:
                 if not process_gone(pid):
                     os.kill(pid, signal.SIGKILL)
+
+    def agent_stacks(self, pids: list[int]) -> str:
+        """Every thread's Python stack of those of ``pids`` that are torchrun agents of this job (SIGUSR1, see
+        :mod:`lightning_ft_job.torchrun_agent`), for a failure message; waits up to 5 s for each dump."""
+        said = []
+        for pid in pids:
+            path = self.root / "stacks" / f"agent-{pid}.stacks"
+            if not path.exists() or process_gone(pid):
+                continue
+            os.kill(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 5
+            while not path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            said.append(f"torchrun agent {pid}'s threads:\n{path.read_text()}")
+        return "\n".join(said)
 
     def wait_exit(self, timeout: float = 240.0) -> int:
         try:
@@ -350,7 +368,8 @@ def launch_job(
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, **env} if env else None,
+        # Each torchrun agent writes its threads' stacks there on SIGUSR1 (assert_gone_within reads them).
+        env={**os.environ, ENV_STACKS_DIR: str(root / "stacks"), **(env or {})},
     )
     return LaunchedJob(process=process, root=root, log_file=log_file, log_name=log_name)
 

@@ -86,7 +86,23 @@ def describe_process(pid: int) -> str:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except (FileNotFoundError, ProcessLookupError):
         return f"{pid}: gone"
-    return f"{pid}: state {status.get('State', '?')}, parent {status.get('PPid', '?')}, waits in {wchan}: {command}"
+    return (
+        f"{pid}: state {status.get('State', '?')}, parent {status.get('PPid', '?')}, waits in {wchan}: {command}\n"
+        f"  threads: {', '.join(_thread_states(pid))}"
+    )
+
+
+def _thread_states(pid: int) -> list[str]:
+    """Each thread of ``pid`` as ``name(tid) state wait-channel``: which one runs, when a process does not end."""
+    states = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda path: int(path.name)):
+        try:
+            stat = (task / "stat").read_text()
+            state = stat[stat.rindex(")") + 2 :].split()[0]
+            states.append(f"{(task / 'comm').read_text().strip()}({task.name}) {state} {(task / 'wchan').read_text()}")
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+    return states
 
 
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
