@@ -53,6 +53,8 @@ class StrategyConfiguration:
     data_parallel: DataParallelSettings
     data_mode: DataModeName
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Whether DDP searches for unused parameters because FTStrategy chose it (the user set nothing).
+    unused_search_by_default: bool = False
 
 
 def async_quorum_default(*, algorithm: str, data_mode: str, data_parallel: str) -> bool:
@@ -162,26 +164,16 @@ def resolve_configuration(
         start_timeout=start_timeout,
         world_size_mode=world_size_mode,
     )
-    ddp_kwargs["find_unused_parameters"] = parallel.sharded or unused_parameter_search(
-        find_unused_parameters, settings.num_replica_groups
-    )
+    # FTStrategy's default is the search: one bucket layout in every group (lightning_ft.step.unused_parameter_note).
+    ddp_kwargs["find_unused_parameters"] = parallel.sharded or find_unused_parameters is not False
     return StrategyConfiguration(
-        settings=settings, algorithm=chosen, data_parallel=parallel, data_mode=data_mode, ddp_kwargs=ddp_kwargs
+        settings=settings,
+        algorithm=chosen,
+        data_parallel=parallel,
+        data_mode=data_mode,
+        ddp_kwargs=ddp_kwargs,
+        unused_search_by_default=find_unused_parameters is None and not parallel.sharded,
     )
-
-
-def unused_parameter_search(find_unused_parameters: bool | None, num_replica_groups: int) -> bool:
-    """DDP's ``find_unused_parameters`` for a job: the user's choice, else ``True`` only with several groups.
-
-    Every group's gradient buckets must hold the same parameters in the same order at every step, a restarted
-    group's first step included. With the search, DDP never rebuilds its first layout (which already follows the
-    backward pass, so the allreduces overlap it); without it, the DDP hook pins a forward-order layout before the
-    first step (:func:`lightning_ft.step.gradient_hooks.pin_bucket_layout`). One group has no one to agree with:
-    it runs as DDP does by default, and prints no warning about a setting its user never made.
-    """
-    if find_unused_parameters is None:
-        return num_replica_groups > 1
-    return find_unused_parameters
 
 
 def forwarded_argument_names() -> frozenset[str]:

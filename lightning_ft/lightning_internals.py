@@ -93,6 +93,46 @@ __all__ = [
 ]
 
 
+# Every private Lightning name lightning-ft reaches, here and in strategy.py (a DDPStrategy subclass), one row each:
+# why; the public API that would replace it (the docstring's table says more). Checked by
+# ``tests/package/test_seams.py``.
+PRIVATE_USES = {
+    "_PATH": "the type of a checkpoint path argument; a public path type alias",
+    "_atomic_save": "write checkpoints and sidecars atomically; public fsspec helpers",
+    "_is_local_file_protocol": "same",
+    "_load": "same",
+    "_set_sampler_epoch": "set the epoch on a replaced sampler as the fit loop does; a public helper",
+    "_DataFetcher": "where the fit loop's data position lives; a data-position API on the fit loop",
+    "_DataLoaderIterDataFetcher": "same",
+    "_data_fetcher": "same",
+    "_combined_loader": "same",
+    "_load_state_dicts": "restore the stateful dataloaders' states (exactly-once resume); same",
+    "_BatchProgress": "the batch counters a position is restored to; the same",
+    "_should_accumulate": "a batch without an optimizer step holds no vote; an accumulating property",
+    "_batches_that_stepped": "the logging step, aligned to the committed step after a heal; a settable one",
+    "_logger_connector": "whether this batch's metrics are logged; trainer.should_log",
+    "_checkpoint_connector": "resume_start, dump_checkpoint and the restores of a heal; a resume hook, "
+    "Trainer.dump_checkpoint/restore",
+    "_loaded_checkpoint": "the checkpoint the connector restores from; Trainer.restore(checkpoint)",
+    "_make_pruning_permanent": "off while a heal builds its checkpoint; an argument settable per save",
+    "_on_before_batch_transfer": "the user's batch hook, run where the exactly-once batch is checked; a public runner",
+    "_device_mesh": "FSDP2's group mesh, as ModelParallelStrategy sets it; a settable device_mesh",
+    "_val_check_time_interval": "a validation cadence given as a duration; a public val_check_interval",
+    "_enable_version_counter": "one file name per step across replica groups; the argument, settable",
+    "_sync_module_states": "FSDP2 setup as Lightning's strategies do; public setup helpers",
+    "_optimizers_to_device": "same",
+    "_layer_sync": "the layer sync plugin; a layer_sync property",
+    "_sampler": "the user's sampler inside DistributedSamplerWrapper; a public sampler attribute",
+    "_optimizer": "the optimizer inside a LightningOptimizer; a public optimizer attribute",
+    "_configure_launcher": "no launcher (no process observer thread) for a one-process group (strategy.py); "
+    "a launcher option",
+    "_launcher": "same",
+    "_setup_model": "leave a model frozen at the start unwrapped (strategy.py); a DDP-wrapping hook",
+    "_register_ddp_hooks": "the cross-group comm hook in place of Lightning's (strategy.py); a comm-hook hook",
+    "_ddp_kwargs": "the DDP arguments, in the strategy's contract across groups (strategy.py); a ddp_kwargs property",
+}
+
+
 def should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether this training batch only accumulates gradients (no optimizer step)."""
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
@@ -192,6 +232,21 @@ VERSION_COUNTER = "_enable_version_counter"  # ModelCheckpoint's attribute (set 
 def version_counter_on(callback: ModelCheckpoint) -> bool:
     """Whether a ModelCheckpoint adds ``-v1`` to a file name that exists."""
     return bool(getattr(callback, VERSION_COUNTER))
+
+
+def load_loader_states(combined_loader: Any, states: list[dict[str, Any]]) -> None:
+    """Give each of a ``CombinedLoader``'s dataloaders its saved state (the stateful ones), before it iterates."""
+    combined_loader._load_state_dicts(states)
+
+
+def custom_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper``."""
+    return sampler.dataset._sampler
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a ``LightningOptimizer`` (any other optimizer as it is)."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def val_check_time_interval(trainer: pl.Trainer) -> float | None:

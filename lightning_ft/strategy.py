@@ -70,6 +70,7 @@ from lightning_ft.step.gradient_hooks import FTCommState, fsdp_cross_group_hook,
 from lightning_ft.step.modes import check_nothing_unfrozen, check_optimizers
 from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.step.unused_parameter_note import first_forward_without_torch_note
 from lightning_ft_job import events
 from lightning_ft_job.environment import torchrun_restart_count
 
@@ -123,9 +124,9 @@ class FTStrategy(DDPStrategy):
         fsdp_cpu_offload: FSDP: keep sharded parameters, gradients and optimizer state in CPU memory.
         fsdp_reshard_after_forward: FSDP: FSDP2's ``reshard_after_forward``.
         gradient_as_bucket_view: DDP: torch DDP's ``gradient_as_bucket_view`` (on by default).
-        find_unused_parameters: DDP: torch DDP's ``find_unused_parameters``. ``None`` (the default): ``True`` in a
-            job of several replica groups, where it keeps one gradient bucket layout in every group, restarted ones
-            included, with the allreduces overlapping the backward pass; ``False`` in a one-group job, as in DDP.
+        find_unused_parameters: DDP: torch DDP's ``find_unused_parameters``. ``None`` (the default): ``True``, which
+            keeps one gradient bucket layout in every group, restarted ones included, with the allreduces overlapping
+            the backward pass; torch's note about it is kept off the terminal, as the user did not set it.
         accelerator: As ``DDPStrategy``'s (Lightning sets it from the Trainer's ``accelerator``).
         parallel_devices: As ``DDPStrategy``'s: this group's devices (Lightning sets them from ``devices``).
         cluster_environment: As ``DDPStrategy``'s: how this group's processes find each other (torchrun, SLURM, ...).
@@ -250,6 +251,7 @@ class FTStrategy(DDPStrategy):
         self.algorithm = configuration.algorithm
         self.data_parallel = configuration.data_parallel
         self.data_mode = configuration.data_mode
+        self._unused_search_by_default = configuration.unused_search_by_default
         self._in_group: GroupParallelism = group_parallelism(self.data_parallel, self._fsdp_cross_group_hook)
         # Open while a heal builds or restores Lightning's checkpoint: the checkpoint methods then serve this
         # process's own state (lightning_ft.heal.state).
@@ -702,7 +704,8 @@ class FTStrategy(DDPStrategy):
         Returns:
             What the LightningModule's ``training_step`` returned.
         """
-        output = super().training_step(*args, **kwargs)
+        with first_forward_without_torch_note(self._unused_search_by_default):
+            output = super().training_step(*args, **kwargs)
         if self._step is not None:
             self._step.saw_output(output)
         return output

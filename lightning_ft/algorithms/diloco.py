@@ -25,7 +25,12 @@ from torchft.local_sgd import DiLoCo
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.fragments import fragment_modules, resolve_fragments
 from lightning_ft.errors import UnsupportedModelError
-from lightning_ft.manager.internals import diloco_fragments, fragment_outer_optimizer, fragment_updates_off
+from lightning_ft.manager.internals import (
+    diloco_fragments,
+    fragment_outer_optimizer,
+    fragment_updates_off,
+    save_global_parameters,
+)
 from lightning_ft.step.protocol import StepProtocol
 
 
@@ -112,7 +117,7 @@ class DiLoCoSync:
 
     def reset_global_parameters(self) -> None:
         """Take the current parameters as the global ones (after the ranks of a group were re-aligned, too)."""
-        self._diloco._save_parameters()
+        save_global_parameters(self._diloco)
 
     def prepare(self) -> int:
         """Start the current fragment's sync on the open quorum: compute its pseudo-gradient and issue the

@@ -161,7 +161,7 @@ def resume_fetcher(trainer: pl.Trainer, fetcher: lightning.DataFetcher, plan: Re
     combined_loader = lightning.combined_loader(trainer)
     assert combined_loader is not None
     if plan.loader_states:
-        combined_loader._load_state_dicts(plan.loader_states)
+        lightning.load_loader_states(combined_loader, plan.loader_states)
         iter(fetcher)
         fetcher.fetched += position
         if fetcher.length is not None:

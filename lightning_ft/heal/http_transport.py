@@ -32,14 +32,12 @@ from http.server import ThreadingHTTPServer
 from typing import BinaryIO, cast
 
 import torch
-from torch import _weights_only_unpickler
-from torch.distributed._serialization import _PseudoZipFile
-from torch.serialization import _load
 from torchft.checkpointing import HTTPTransport
 from typing_extensions import override
 
 from lightning_ft.checkpoint_io import refused_global
 from lightning_ft.errors import LightningFTError, UnsupportedArgumentError
+from lightning_ft.torch_internals import PseudoZipFile, load_from_zip_file, weights_only_unpickler
 from lightning_ft_job.addresses import LOOPBACK, family_of, is_loopback, numeric_host, url_host
 
 
@@ -47,11 +45,11 @@ class RefusedPeerStateError(LightningFTError, RuntimeError):
     """A live peer's state holds an object that ``weights_only=True`` refuses. Retrying cannot help."""
 
 
-class _ReadOnceZipFile(_PseudoZipFile):
+class _ReadOnceZipFile(PseudoZipFile):
     """torch's in-memory "zip file" of a streamed checkpoint, whose storages are read once, into their final tensors."""
 
     def read_from(self, f: io.BufferedIOBase) -> None:
-        for entry in _weights_only_unpickler.load(f):
+        for entry in weights_only_unpickler.load(f):
             if not entry.is_storage:
                 self.records[entry.key] = (f.read(entry.length), entry.length)
                 continue
@@ -73,7 +71,9 @@ def streaming_load_once(stream: BinaryIO) -> object:
     """torch's ``_streaming_load(stream, weights_only=True)``, with every storage read once into its own tensor."""
     zip_file = _ReadOnceZipFile()
     zip_file.read_from(cast(io.BufferedIOBase, stream))  # an HTTP response or a file: both have readinto()
-    return _load(zip_file=zip_file, map_location=None, pickle_module=_weights_only_unpickler, encoding="utf-8")
+    return load_from_zip_file(
+        zip_file=zip_file, map_location=None, pickle_module=weights_only_unpickler, encoding="utf-8"
+    )
 
 
 # The serving loop stops within one poll once told to (it is poked awake at once, see stop_serving).

@@ -88,7 +88,7 @@ class GroupFSDP:
 
     def optimizer_state(self, strategy: DDPStrategy, optimizer: Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name, gathered for group rank 0."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        optimizer = lightning.unwrapped_optimizer(optimizer)  # a LightningOptimizer
         return sharded_checkpoint.full_optimizer_state(_module(strategy), optimizer)
 
     def load_model_state_dict(self, strategy: DDPStrategy, checkpoint: Mapping[str, Any], strict: bool) -> None:

@@ -28,11 +28,11 @@ from datetime import timedelta
 from time import monotonic
 from typing import Any, Protocol
 
-import torch
 from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft.heal.http_transport import RefusedPeerStateError
+from lightning_ft.torch_internals import profiler_enabled
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class FTManager(Manager):
         started = monotonic()
         quorum = self._quorum_future  # waiting does not replace it
         try:
-            if quorum is not None and quorum.done() and not torch._C._autograd._profiler_enabled():
+            if quorum is not None and quorum.done() and not profiler_enabled():
                 # The quorum is known: torchft's wait_quorum is exactly this call, inside a profiler range whose
                 # two torch ops are paid on each of the several calls per step (every bucket hook, the vote,
                 # num_participants); without a profiler running there is no range to record.

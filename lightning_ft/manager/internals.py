@@ -55,6 +55,42 @@ from torchft.process_group import ProcessGroup
 
 from lightning_ft.process_group.left_behind import LeftBehindWatch
 
+# Every private torchft name lightning-ft reaches, here and in the other torchft seam modules (ft_manager.py,
+# listeners.py, process_group/quorum_store.py and torchft_api.py, heal/http_transport.py), one row each: why; the
+# upstream hook that would remove it (the table of ``lightning_ft.manager``'s docstring says more). Checked by
+# ``tests/package/test_seams.py``.
+PRIVATE_USES = {
+    "_torchft": "torchft's Rust extension, for a second ManagerClient; a public ManagerClient",
+    "_pg": "the Manager's cross-group process group; an accessor for it",
+    "_client": "the Manager's RPC client, wrapped once; client injection in the constructor",
+    "_store": "the group's store: the ManagerServer's address, this lifetime's replica id; a public replica_id()",
+    "_executor": "the quorum thread, joined bounded after shutdown; a shutdown that waits with a timeout",
+    "_timeout": "ProcessGroupWrapper's collective timeout; a public timeout",
+    "_wrap_work": "watch every operation of the process group; a cancellable work",
+    "_fragments": "DiLoCo's fragments; public fragments",
+    "_outer_optimizer": "a fragment's outer optimizer; a public outer_optimizer",
+    "_fragment_update_alpha": "the final sync takes the global parameters as they are; an update alpha per sync",
+    "_save_parameters": "take the current parameters as DiLoCo's global ones; a public reset",
+    "_quorum_future": "report each quorum once; take a known quorum without the profiler range; a quorum callback",
+    "_quorum_id": "the quorum id for events and telemetry; a quorum-id accessor",
+    "_participating_replica_rank": "the quorum's membership; a quorum callback",
+    "_participating_replica_world_size": "same",
+    "_healing": "vet a received state before the first collective; a heal-check hook",
+    "_pending_state_dict": "same",
+    "_apply_pending_state_dict": "same (FTManager overrides it)",
+    "_step": "heal a job at step 0 before the forward pass; counting only contributing groups",
+    "_use_async_quorum": "same",
+    "_create_pg": "bind Gloo to the advertised address (listeners.py overrides it); a bind address option",
+    "_global_ranks": "the group's global ranks, as torchft's _create_pg passes them; same",
+    "_group_rank": "same",
+    "_group_world_size": "same",
+    "_rendezvous": "torchft 0.3's rendezvous (torchft_api.py); a pre-rendezvous hook",
+    "_server": "HTTPTransport's server, rebound to one host and stopped on shutdown; a bind address option",
+    "_thread": "its serving thread; a shutdown that stops serving",
+    "_serve": "its serving loop, on the rebound server; same",
+    "_load_from_address": "the streamed, weights_only load of a heal (http_transport.py overrides it); a load hook",
+}
+
 
 def new_manager_client(manager: Manager, connect_timeout: timedelta) -> Callable[[], Any]:
     """A factory of fresh ``ManagerClient`` s to this rank's ManagerServer (the one :func:`manager_client` talks to).
@@ -159,6 +195,11 @@ def diloco_fragments(diloco: Any) -> list[Any]:
     """The fragments of a ``torchft.local_sgd.DiLoCo``, in sync order (each holds its ``original_parameters``)."""
     fragments: list[Any] = diloco._fragments
     return fragments
+
+
+def save_global_parameters(diloco: Any) -> None:
+    """Take a ``torchft.local_sgd.DiLoCo``'s current parameters as its global ones (each fragment's copy)."""
+    diloco._save_parameters()
 
 
 def fragment_outer_optimizer(fragment: Any) -> Optimizer:

@@ -14,8 +14,7 @@ import logging
 import re
 import traceback
 
-import torch
-
+from lightning_ft.torch_internals import nccl_flight_recorder_resettable
 from lightning_ft_job import events
 
 # torchft's modules that log handled failures with a traceback (``logging.getLogger(__name__)`` in each). A filter on
@@ -90,5 +89,5 @@ def quiet_torchft_logs() -> None:
     this runs."""
     for name in TORCHFT_LOGGERS:
         logging.getLogger(name).addFilter(_one_line_errors)
-    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):
+    if not nccl_flight_recorder_resettable():
         logging.getLogger("torchft.manager").addFilter(_not_the_flight_recorder_warning)

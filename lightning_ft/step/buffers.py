@@ -59,6 +59,7 @@ from torchft import Manager
 
 from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.torch_internals import fused_copy
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -173,11 +174,11 @@ class ModelBuffers:
 
     def _read(self, buffers: list[Tensor], into: Tensor) -> None:
         """Copy ``buffers`` into the flat float64 ``into`` (one fused copy)."""
-        torch._foreach_copy_(self._views(into), buffers)
+        fused_copy(self._views(into), buffers)
 
     def _write(self, flat: Tensor, buffers: list[Tensor]) -> None:
         """Copy the flat float64 ``flat`` into ``buffers``, rounding to each buffer's dtype once (one fused copy)."""
-        torch._foreach_copy_(buffers, self._views(flat))
+        fused_copy(buffers, self._views(flat))
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:

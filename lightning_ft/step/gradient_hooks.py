@@ -43,6 +43,7 @@ from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.torch_internals import non_finite_check_and_unscale, rebuild_ddp_buckets
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -74,7 +75,7 @@ class FTCommState:
         if flag is None:
             flag = self._non_finite_flags[buffer.device] = torch.zeros(1, dtype=torch.float32, device=buffer.device)
         reciprocal = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=buffer.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([buffer], flag, reciprocal)
+        non_finite_check_and_unscale([buffer], flag, reciprocal)
         self.checked_buckets += 1
 
     def take_gradient_check(self) -> Callable[[], bool] | None:
@@ -213,12 +214,6 @@ def install_ddp_cross_group_hook(
     model.register_comm_hook(state, ft_allreduce_hook)
     if several_groups and not model.find_unused_parameters:
         pin_bucket_layout(model)
-    elif several_groups and dist.get_rank() == 0:  # why torch may warn about a setting the user did not make
-        log.info(
-            "lightning-ft: find_unused_parameters=True keeps one gradient bucket layout in every replica group, "
-            "restarted ones included (docs/configuration.md); torch's note that it found no unused parameter is "
-            "expected."
-        )
     return state
 
 
@@ -236,8 +231,7 @@ def pin_bucket_layout(model: DistributedDataParallel) -> None:
     first layout already runs backwards, and the allreduces overlap the backward pass, at the cost of a graph
     traversal every step (``docs/benchmarks.md``).
     """
-    model.reducer._push_all_rebuilt_params()
-    if not model.reducer._rebuild_buckets():
+    if not rebuild_ddp_buckets(model.reducer):
         raise UnsupportedModelError(
             "DDP did not rebuild its gradient buckets before the first step; FTStrategy needs it to"
         )

@@ -39,6 +39,7 @@ def test_groups_that_exit_0_without_reaching_the_lighthouse_are_named_once_each(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.paths  # its neighbour in make test: the exit path above
 @pytest.mark.timeout(120)
 def test_groups_still_running_without_reaching_the_lighthouse_are_named_once_each(tmp_path):
     """Each group waits (bounded) until the launcher has named it, then exits 0: named once while it runs, not

@@ -1,5 +1,5 @@
-"""The package's layout rules, checked on the source: the arrows between its layers, the one torchft seam, no import
-cycle, small modules (``docs/architecture.md``)."""
+"""The package's layout rules, checked on the source: the arrows between its layers, no import cycle, small
+modules (``docs/architecture.md``; the seams are ``test_seams.py``'s)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("lightning_ft", "lightning_ft_job", "lightning_ft_cli")
-# Private names of torchft's Manager, process groups, DiLoCo and transports: read or changed only in the torchft seam,
-# lightning_ft/manager/ and lightning_ft/process_group/ (manager/__init__ lists each one, why, and the upstream hook
-# that would remove it).
-TORCHFT_PRIVATE_NAMES = [
-    *("_pg", "_quorum_id", "_uuid", "_client", "_quorum_future", "_healing", "_pending_state_dict"),
-    *("_apply_pending_state_dict", "_step", "_use_async_quorum", "_participating_replica_rank"),
-    *("_participating_replica_world_size", "_store", "_wrap_work", "_timeout", "_rendezvous_store", "_handle_id"),
-    *("_fragments", "_outer_optimizer", "_fragment_update_alpha", "_manager_state_dict"),
-]
-TORCHFT_INTERNALS = re.compile(
-    r"(?<!self)\.(" + "|".join(TORCHFT_PRIVATE_NAMES) + r")\b"  # an attribute of a torchft object
-    r"|from torchft\S* import .*\b_[A-Za-z]"  # a private torchft name imported
-)
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -69,17 +56,6 @@ def test_the_library_and_the_command_sit_on_the_shared_layer_and_not_on_each_oth
     for name, path in modules("lightning_ft_cli").items():
         wrong = {i for i in imports_of(path) if i.split(".")[0] in ("lightning_ft", "lightning")}
         assert not wrong, f"{name} imports {wrong}"
-
-
-def test_torchft_internals_are_touched_in_the_manager_seam_only():
-    outside = [
-        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-        for name, path in modules("lightning_ft").items()
-        if not name.startswith(("lightning_ft.manager", "lightning_ft.process_group"))
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if TORCHFT_INTERNALS.search(line)
-    ]
-    assert not outside, "\n".join(outside)
 
 
 def test_no_import_cycle_between_the_modules_of_the_package():
@@ -176,53 +152,6 @@ def test_no_import_cycle_between_the_folders_of_the_package():
 def test_the_folder_cycle_check_finds_a_cycle():
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
-
-
-# Private attributes of Lightning objects, reached through these roots; read or changed only in
-# lightning_ft/lightning_internals.py (its docstring lists each one, why, and the public API that would replace it).
-LIGHTNING_OBJECTS = re.compile(
-    r"\b(trainer|strategy|fit_loop|epoch_loop|lightning_module|pl_module|callback|checkpoint_callback|lightning_call)\b"
-    r"|\bself\._module\b"  # FTStrategy's LightningModule
-)
-
-
-def lightning_private_uses(path: Path) -> list[str]:
-    """Each private Lightning name a file imports, and each private attribute it reads or sets on a Lightning
-    object (an expression through a trainer, its loops, a LightningModule or a callback)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "pytorch_lightning"):
-            found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = ast.unparse(node.value)
-            if base not in ("self", "cls") and LIGHTNING_OBJECTS.search(base):
-                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-    return found
-
-
-def test_lightning_internals_are_touched_in_their_inventory_only():
-    outside = [
-        use
-        for name, path in modules("lightning_ft").items()
-        if name != "lightning_ft.lightning_internals"
-        for use in lightning_private_uses(path)
-    ]
-    assert not outside, "\n".join(outside)
-
-
-def test_the_lightning_guard_sees_a_private_import_and_a_private_attribute(tmp_path):
-    leak = tmp_path / "leak.py"
-    leak.write_text(
-        "from lightning.pytorch.loops.fetchers import _DataFetcher\n"
-        "steps = trainer.fit_loop.epoch_loop._batches_that_stepped\n"
-        "trainer._checkpoint_connector.resume_start()\n"
-        "self._own = 1\n"
-    )
-    assert [use.split(": ", 1)[1] for use in lightning_private_uses(leak)] == [
-        "import _DataFetcher",
-        "trainer.fit_loop.epoch_loop._batches_that_stepped",
-        "trainer._checkpoint_connector",
-    ]
 
 
 def test_ddp_and_fsdp_inside_a_group_are_two_objects_behind_one_interface():

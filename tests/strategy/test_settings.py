@@ -87,16 +87,18 @@ def test_what_ddp_strategy_and_torch_ddp_accept_is_still_passed_on(monkeypatch):
     assert strategy._start_method == "popen"
 
 
-def test_the_unused_parameter_search_is_on_only_where_groups_must_agree_on_buckets(monkeypatch):
-    """One group runs as DDP does (no search, no torch warning about a setting nobody made); several groups search,
-    which keeps one bucket layout everywhere (docs/configuration.md); an explicit choice wins."""
+def test_the_unused_parameter_search_is_ftstrategys_default_and_an_explicit_choice_wins(monkeypatch):
+    """The search keeps one bucket layout in every group (docs/configuration.md); torch's note about it is silenced
+    only where FTStrategy chose it (``_unused_search_by_default``)."""
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
-    assert FTStrategy()._ddp_kwargs["find_unused_parameters"] is False
-    assert FTStrategy(find_unused_parameters=True)._ddp_kwargs["find_unused_parameters"] is True
-    several = {"num_replica_groups": 2, "lighthouse": "http://h:1"}
-    assert FTStrategy(**several)._ddp_kwargs["find_unused_parameters"] is True
-    assert FTStrategy(**several, find_unused_parameters=False)._ddp_kwargs["find_unused_parameters"] is False
+    chosen = FTStrategy()
+    assert chosen._ddp_kwargs["find_unused_parameters"] is True and chosen._unused_search_by_default
+    several = FTStrategy(num_replica_groups=2, lighthouse="http://h:1")
+    assert several._ddp_kwargs["find_unused_parameters"] is True and several._unused_search_by_default
+    for value in (True, False):
+        made = FTStrategy(find_unused_parameters=value)
+        assert made._ddp_kwargs["find_unused_parameters"] is value and not made._unused_search_by_default
 
 
 def test_non_integer_environment_is_refused(monkeypatch):
