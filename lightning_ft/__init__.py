@@ -22,6 +22,8 @@ from lightning_ft.callbacks import (
     ReplicaConsistencyCheck,
     StateTransferCallback,
 )
+from lightning_ft.callbacks.consistency import ReplicaDivergedError
+from lightning_ft.checkpoint_io import UnreadableCheckpointError
 from lightning_ft.data.job_shard import JobShard, job_shard
 from lightning_ft.errors import (
     LightningFTError,
@@ -34,7 +36,7 @@ from lightning_ft.manager.builder import LighthouseUnreachableError
 from lightning_ft.manager.group_claim import DuplicateReplicaGroupError
 from lightning_ft.manager.lighthouse_outage import LighthouseUnavailableError
 from lightning_ft.settings import FTConfigError
-from lightning_ft.start.decision import JobAlreadyFinished
+from lightning_ft.start.decision import JobAlreadyFinished, NoLivePeerError
 from lightning_ft.start.job_settings import JobContractError
 from lightning_ft.strategy import FTStrategy
 
@@ -58,11 +60,14 @@ __all__ = [
     "LighthouseUnreachableError",
     "LightningFTError",
     "ManagerCheckpointCallback",
+    "NoLivePeerError",
     "NotAvailableError",
     "QuorumCallback",
     "ReplicaConsistencyCheck",
+    "ReplicaDivergedError",
     "StateTransferCallback",
     "StrategyRequiredError",
+    "UnreadableCheckpointError",
     "UnsupportedArgumentError",
     "UnsupportedModelError",
     "__version__",

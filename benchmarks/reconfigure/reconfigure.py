@@ -10,7 +10,9 @@ their own; the figures are rank 0's medians over the generations after the first
 1 s and of those given up (lightning-ft's arrival wait gives a quorum up when a member is over 1 s late).
 
 On this machine every 25th TCPStore client a process opens takes 5 s to connect (torch 2.13 and 2.15, with either
-server backend; plain sockets do not), which every variant that opens a store client per reconfiguration meets.
+server backend; plain sockets do not), which every variant that opens a store client per reconfiguration meets: a
+reverse DNS lookup of the peer's address (client and server alike) that this machine's resolver leaves unanswered
+about once in 25 clients waits out the resolver's 5-s timeout (docs/compatibility.md).
 
 Needs torch >= 2.14 and torchft's reconfigure API, for example::
 
