@@ -63,6 +63,11 @@ PRIVATE_USES = {
     "_torchft": "torchft's Rust extension, for a second ManagerClient; a public ManagerClient",
     "_pg": "the Manager's cross-group process group; an accessor for it",
     "_client": "the Manager's RPC client, wrapped once; client injection in the constructor",
+    "_quorum": "the wrapped ManagerClient's quorum RPC (Rust in torchft 0.2), which the client wrappers "
+    "(group_claim, lighthouse_outage, quorum_members) intercept; a public client hook",
+    "_handle_id": "torchft 0.3's reconfigure handle of a process group (process_group/torchft_api.py); same API",
+    "_rendezvous_store": "torchft 0.3's rendezvous store a process group hosts (process_group/torchft_api.py); an "
+    "option to host it where the group's listeners bind",
     "_store": "the group's store: the ManagerServer's address, this lifetime's replica id; a public replica_id()",
     "_executor": "the quorum thread, joined bounded after shutdown; a shutdown that waits with a timeout",
     "_timeout": "ProcessGroupWrapper's collective timeout; a public timeout",
