@@ -252,6 +252,9 @@ class FTStrategy(DDPStrategy):
         self.data_parallel = configuration.data_parallel
         self.data_mode = configuration.data_mode
         self._unused_search_by_default = configuration.unused_search_by_default
+        # Until the first training forward pass: torch's note about the search FTStrategy chose is kept off the
+        # terminal there (lightning_ft.step.unused_parameter_note); no later step pays for it.
+        self._torch_note_pending = self._unused_search_by_default
         self._in_group: GroupParallelism = group_parallelism(self.data_parallel, self._fsdp_cross_group_hook)
         # Open while a heal builds or restores Lightning's checkpoint: the checkpoint methods then serve this
         # process's own state (lightning_ft.heal.state).
@@ -704,7 +707,11 @@ class FTStrategy(DDPStrategy):
         Returns:
             What the LightningModule's ``training_step`` returned.
         """
-        with first_forward_without_torch_note(self._unused_search_by_default):
+        if self._torch_note_pending:
+            self._torch_note_pending = False
+            with first_forward_without_torch_note():
+                output = super().training_step(*args, **kwargs)
+        else:
             output = super().training_step(*args, **kwargs)
         if self._step is not None:
             self._step.saw_output(output)

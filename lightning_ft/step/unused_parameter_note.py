@@ -36,11 +36,12 @@ _said = False  # once per process: torch notes it once per process too
 
 
 @contextmanager
-def first_forward_without_torch_note(chosen_by_ftstrategy: bool) -> Iterator[None]:
-    """Around a training forward pass: the first one in a process where FTStrategy chose the search runs with standard
-    error captured and torch's note dropped from it (:data:`WHY` is logged instead); every other one runs as is."""
+def first_forward_without_torch_note() -> Iterator[None]:
+    """Around a process's first training forward pass in which FTStrategy chose the search (the strategy asks once
+    per fit, never on later steps): standard error captured and torch's note dropped from it, :data:`WHY` logged
+    instead; once per process, as torch says it."""
     global _said
-    if _said or not chosen_by_ftstrategy:
+    if _said:
         yield
         return
     _said = True
