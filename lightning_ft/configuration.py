@@ -1,37 +1,26 @@
 """FTStrategy's constructor arguments, resolved once: the torchft settings, the algorithm, the data mode and the
 data parallelism inside a group, each derived value stored in one place.
 
-Every argument arrives by name (:func:`resolve_configuration`), and every default that depends on other settings is
-decided here, once: ``use_async_quorum`` (:func:`async_quorum_default`). The modules of each concept
-(:mod:`lightning_ft.settings`, :mod:`lightning_ft.algorithms`, :mod:`lightning_ft.data.placement`,
-:mod:`lightning_ft.hsdp.data_parallel`) validate their own settings against the resolved values.
+FTStrategy's signature is each argument's one definition (name, type, default; its doc in the class docstring, from
+which ``docs/configuration.md``'s table is generated). The arguments arrive here as one mapping
+(:func:`resolve_configuration`); each concept's resolver takes the ones its parameters name (:func:`taken_by`):
+:mod:`lightning_ft.settings`, :mod:`lightning_ft.algorithms`, :mod:`lightning_ft.hsdp.data_parallel` validate their
+own settings against the resolved values, :mod:`lightning_ft.data.placement` the data mode. Every default that
+depends on other settings is decided here, once: ``use_async_quorum`` (:func:`async_quorum_default`).
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ft.algorithms import AlgorithmSettings, resolve_algorithm
-from lightning_ft.algorithms.fragments import FragmentSpec
-from lightning_ft.algorithms.outer_optimizer import OuterOptimizerSpec
 from lightning_ft.data.placement import check_data_mode
 from lightning_ft.hsdp.data_parallel import DataParallelSettings, resolve_data_parallel
-from lightning_ft.settings import (
-    AlgorithmName,
-    BufferSyncName,
-    DataModeName,
-    DataParallelName,
-    FTConfigError,
-    FTSettings,
-    ProcessGroupName,
-    TransportName,
-    WorldSizeModeName,
-    resolve_settings,
-)
+from lightning_ft.settings import DataModeName, FTConfigError, FTSettings, resolve_settings
 
 # FSDP2's ``fully_shard`` arguments that FTStrategy takes under its own names (``data_parallel="fsdp"``).
 _FSDP2_NAMES = {
@@ -66,114 +55,49 @@ def async_quorum_default(*, algorithm: str, data_mode: str, data_parallel: str) 
     return algorithm == "ddp" and data_mode == "sharded" and data_parallel == "ddp"
 
 
-def resolve_configuration(
-    *,
-    replica_group_id: int | None,
-    num_replica_groups: int | None,
-    lighthouse: str | None,
-    min_replica_size: int,
-    use_async_quorum: bool | None,
-    timeout: float,
-    quorum_timeout: float,
-    connect_timeout: float,
-    init_sync: bool,
-    max_retries: int | None,
-    process_group: ProcessGroupName,
-    checkpoint_transport: TransportName,
-    hostname: str | None,
-    interface: str | None,
-    replica_id_prefix: str,
-    skip_non_finite_steps: bool,
-    buffer_sync: BufferSyncName,
-    lighthouse_outage_timeout: float | None,
-    start_timeout: float | None,
-    world_size_mode: WorldSizeModeName,
-    data_mode: DataModeName,
-    algorithm: AlgorithmName,
-    sync_every: int | None,
-    outer_optimizer: OuterOptimizerSpec,
-    fragments: FragmentSpec | None,
-    fragment_sync_delay: int | None,
-    fragment_update_alpha: float | None,
-    quantize: bool,
-    data_parallel: DataParallelName,
-    fsdp_wrap: list[str] | None,
-    fsdp_min_params: int | None,
-    fsdp_mixed_precision: dict[str, Any] | None,
-    fsdp_cpu_offload: bool,
-    fsdp_reshard_after_forward: bool | None,
-    gradient_as_bucket_view: bool,
-    find_unused_parameters: bool | None,
-    ddp_kwargs: dict[str, Any],
-    strategy_arguments: Collection[str] = (),
-) -> StrategyConfiguration:
+def resolve_configuration(arguments: Mapping[str, Any], ddp_kwargs: Mapping[str, Any]) -> StrategyConfiguration:
     """Validate every setting against the others. Raises :class:`FTConfigError` naming the setting and the fix.
 
-    Args: FTStrategy's, by the same names (``docs/configuration.md``); ``ddp_kwargs`` are its ``**kwargs``, for
-    ``DDPStrategy`` and torch's DDP; ``strategy_arguments`` are FTStrategy's own argument names (the suggestions
-    for a misspelled one).
+    Args:
+        arguments: FTStrategy's own arguments by name, as its signature (their one definition) received them.
+        ddp_kwargs: Its ``**kwargs``, for ``DDPStrategy`` and torch's DDP.
     """
-    check_argument_names(ddp_kwargs, strategy_arguments)
-    if use_async_quorum is None:
-        use_async_quorum = async_quorum_default(algorithm=algorithm, data_mode=data_mode, data_parallel=data_parallel)
-    check_data_mode(data_mode, algorithm, use_async_quorum)
-    parallel = resolve_data_parallel(
-        data_parallel=data_parallel,
-        algorithm=algorithm,
-        use_async_quorum=use_async_quorum,
-        fsdp_wrap=fsdp_wrap,
-        fsdp_min_params=fsdp_min_params,
-        fsdp_mixed_precision=fsdp_mixed_precision,
-        fsdp_cpu_offload=fsdp_cpu_offload,
-        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-        ddp_kwargs=ddp_kwargs,
-    )
-    ddp_kwargs = dict(ddp_kwargs)
+    check_argument_names(ddp_kwargs, arguments)
+    values = dict(arguments)
+    if values["use_async_quorum"] is None:
+        values["use_async_quorum"] = async_quorum_default(
+            algorithm=values["algorithm"], data_mode=values["data_mode"], data_parallel=values["data_parallel"]
+        )
+    check_data_mode(values["data_mode"], values["algorithm"], values["use_async_quorum"])
+    parallel = resolve_data_parallel(**taken_by(resolve_data_parallel, values), ddp_kwargs=ddp_kwargs)
+    find_unused_parameters = values["find_unused_parameters"]
+    passed_on = dict(ddp_kwargs)
     if not parallel.sharded:
-        _check_ddp_kwargs(find_unused_parameters, ddp_kwargs)
-        ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
-    chosen = resolve_algorithm(
-        algorithm=algorithm,
-        use_async_quorum=use_async_quorum,
-        sync_every=sync_every,
-        outer_optimizer=outer_optimizer,
-        fragments=fragments,
-        fragment_sync_delay=fragment_sync_delay,
-        fragment_update_alpha=fragment_update_alpha,
-        quantize=quantize,
-    )
-    settings = resolve_settings(
-        replica_group_id=replica_group_id,
-        num_replica_groups=num_replica_groups,
-        lighthouse=lighthouse,
-        min_replica_size=min_replica_size,
-        use_async_quorum=use_async_quorum,
-        timeout=timeout,
-        quorum_timeout=quorum_timeout,
-        connect_timeout=connect_timeout,
-        init_sync=init_sync,
-        max_retries=max_retries,
-        process_group=process_group,
-        checkpoint_transport=checkpoint_transport,
-        hostname=hostname,
-        interface=interface,
-        replica_id_prefix=replica_id_prefix,
-        skip_non_finite_steps=skip_non_finite_steps,
-        buffer_sync=buffer_sync,
-        lighthouse_outage_timeout=lighthouse_outage_timeout,
-        start_timeout=start_timeout,
-        world_size_mode=world_size_mode,
-    )
+        _check_ddp_kwargs(find_unused_parameters, passed_on)
+        passed_on["gradient_as_bucket_view"] = values["gradient_as_bucket_view"]
+    chosen = resolve_algorithm(**taken_by(resolve_algorithm, values))
+    settings = resolve_settings(**taken_by(resolve_settings, values))
     # FTStrategy's default is the search: one bucket layout in every group (lightning_ft.step.unused_parameter_note).
-    ddp_kwargs["find_unused_parameters"] = parallel.sharded or find_unused_parameters is not False
+    passed_on["find_unused_parameters"] = parallel.sharded or find_unused_parameters is not False
     return StrategyConfiguration(
         settings=settings,
         algorithm=chosen,
         data_parallel=parallel,
-        data_mode=data_mode,
-        ddp_kwargs=ddp_kwargs,
+        data_mode=values["data_mode"],
+        ddp_kwargs=passed_on,
         unused_search_by_default=find_unused_parameters is None and not parallel.sharded,
     )
+
+
+#: The concept modules' resolvers, each taking the arguments its signature names; with the three names read here,
+#: they cover every FTStrategy argument (tests/strategy/test_settings.py checks that none is left unread).
+RESOLVERS: tuple[Callable[..., Any], ...] = (resolve_settings, resolve_algorithm, resolve_data_parallel)
+READ_HERE = ("data_mode", "gradient_as_bucket_view", "find_unused_parameters")
+
+
+def taken_by(resolver: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments ``resolver`` takes, by the names of its parameters."""
+    return {name: values[name] for name in inspect.signature(resolver).parameters if name in values}
 
 
 def forwarded_argument_names() -> frozenset[str]:

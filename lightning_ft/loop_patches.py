@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_ft import lightning_internals as lightning
+from lightning_ft.start.record import JobRecord
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.owner import StepOwner
 
@@ -183,3 +184,28 @@ def version_against_other_runs(patches: LoopPatches, trainer: pl.Trainer, wrote:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and lightning.version_counter_on(callback):
             patches.wrap(callback, "file_exists", make)
+
+
+def prepare_the_fit(
+    patches: LoopPatches, trainer: pl.Trainer, owner: StepOwner | None, record: JobRecord | None, groups: int
+) -> None:
+    """Every patch a fit takes: per step (an ``owner``), the loop settles each step on the committed count; with
+    several groups, checkpoints are named alike in every group; a job of one group versions its logs against other
+    runs in the folder (``record``); the model is summarised once."""
+    if owner is not None:
+        settle_each_step(patches, trainer, owner)
+    if groups > 1:
+        name_checkpoints_alike(patches, trainer)
+    elif record is not None and record.exists:
+        version_against_other_runs(patches, trainer, record.wrote)
+    summarize_the_model_once(patches, trainer)
+
+
+def cross_groups_where_every_group_is(
+    patches: LoopPatches, trainer: pl.Trainer, collectives: CrossGroupCollectives
+) -> None:
+    """Reductions may cross groups from setup on: the dataloader checks stay inside the group, ``self.log(...,
+    sync_dist=True)`` and torchmetrics reduce over the job."""
+    keep_dataloader_checks_group_local(patches, trainer, collectives)
+    module = trainer.lightning_module
+    sync_metrics_across_groups(patches, module, collectives.all_gather)

@@ -95,16 +95,16 @@ class FTSettings:
     # number of nodes is known.
     hostname: str | None
     replica_id_prefix: str
-    skip_non_finite_steps: bool = True
-    lighthouse_outage_timeout: timedelta | None = timedelta(seconds=600)
+    skip_non_finite_steps: bool
+    lighthouse_outage_timeout: timedelta | None
     # torchft's WorldSizeMode: "dynamic" averages over every participating group; "fixed_with_spares" lets exactly
     # min_replica_size groups contribute, the others are spares that stay healed and contribute zero.
-    world_size_mode: WorldSizeModeName = "dynamic"
+    world_size_mode: WorldSizeModeName
     # How long the first committed step waits for every group to start (lightning_ft.start.decision); 0: not at all.
-    start_timeout: timedelta = timedelta(seconds=DEFAULT_START_TIMEOUT_S)
+    start_timeout: timedelta
     # "average": each vote averages the buffers' change over the job (lightning_ft.step.buffers); "off": each replica
     # keeps its own.
-    buffer_sync: BufferSyncName = "average"
+    buffer_sync: BufferSyncName
 
     @property
     def replica_id(self) -> str:
@@ -180,14 +180,16 @@ def resolve_settings(
     checkpoint_transport: TransportName,
     hostname: str | None,
     replica_id_prefix: str,
-    skip_non_finite_steps: bool = True,
-    lighthouse_outage_timeout: float | None = 600.0,
-    interface: str | None = None,
-    world_size_mode: WorldSizeModeName = "dynamic",
-    start_timeout: float | None = None,
-    buffer_sync: BufferSyncName = "average",
+    skip_non_finite_steps: bool,
+    lighthouse_outage_timeout: float | None,
+    interface: str | None,
+    world_size_mode: WorldSizeModeName,
+    start_timeout: float | None,
+    buffer_sync: BufferSyncName,
 ) -> FTSettings:
-    """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting."""
+    """Apply environment fallbacks and validate. Raises :class:`FTConfigError` naming the bad setting.
+
+    Every argument is FTStrategy's of the same name; its default is FTStrategy's (its one definition)."""
     group_id = _int_from_env("replica_group_id", ENV_REPLICA_GROUP_ID, replica_group_id, 0)
     num_groups = _int_from_env("num_replica_groups", ENV_NUM_REPLICA_GROUPS, num_replica_groups, 1)
     lighthouse = lighthouse or os.environ.get(ENV_LIGHTHOUSE) or None

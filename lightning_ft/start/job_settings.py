@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ def strategy_contract(
     algorithm: AlgorithmSettings,
     data_parallel: DataParallelSettings,
     data_mode: str,
-    ddp_kwargs: dict[str, Any],
+    ddp_kwargs: Mapping[str, Any],
     group_size: int,
 ) -> dict[str, Any]:
     """FTStrategy's settings that every group must share: those that decide the job's data shards, which steps

@@ -208,9 +208,10 @@ class StepProtocol:
         if not self._quorum_open:
             raise QuorumNotStartedError(
                 "lightning-ft: gradients reached the cross-group allreduce but no quorum was started for this step. "
-                "FTStrategy opens it at each training batch's start (QuorumCallback, or the strategy's own "
-                "on_train_batch_start); code that runs a step outside Lightning's training loop must call "
-                "trainer.strategy.start_quorum() at the first micro-batch of each optimizer step."
+                "The step's owner begins each step at its training batch's start (QuorumCallback, or the "
+                "strategy's own on_train_batch_start); code that runs a step outside Lightning's training loop "
+                "begins it through the owner: trainer.strategy.start_quorum() at the first micro-batch of each "
+                "optimizer step (per-step training; a semi-synchronous sync opens its own quorum)."
             )
 
     def before_cross_group_allreduce(self) -> None:

@@ -65,7 +65,7 @@ class _RecordListeners(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.bound:
             return
-        handle = trainer.strategy._handle
+        handle = trainer.strategy._fit.handle
         manager = handle.manager
         transport = manager._checkpoint_transport
         ports = {

@@ -85,12 +85,14 @@ def test_no_module_is_long_and_the_strategy_stays_thin():
     }
     long = {name: n for name, n in lengths.items() if n > 420 and name != "lightning_ft.strategy"}
     assert not long, long
+    # The strategy holds hooks and properties; its arguments are defined in lightning_ft/strategy_arguments.py.
+    assert lengths["lightning_ft.strategy"] < 500
 
 
 def test_the_strategy_holds_properties_and_hook_overrides_only():
     """``FTStrategy`` reads like Lightning's ``DDPStrategy``: each public method is a property or an override of a
-    Lightning hook (``@override``); the only other public one is ``start_quorum``, a documented entry point. Its
-    length is not capped: its constructor names each of its 41 arguments."""
+    Lightning hook (``@override``); the only other public one is ``start_quorum``, a documented entry point that
+    goes through the step's owner."""
     tree = ast.parse((REPO / "lightning_ft" / "strategy.py").read_text())
     strategy = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "FTStrategy")
     public = [node for node in strategy.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]

@@ -14,8 +14,9 @@ from helpers import FakeClock
 from helpers import trainer as make_trainer
 from torchft._torchft import LighthouseClient, LighthouseServer
 
+from lightning_ft import FTStrategy
 from lightning_ft.manager.lighthouse_status import LighthouseStatus, StatusPageUnreadable, read_lighthouse_status
-from lightning_ft.settings import FTConfigError, resolve_settings
+from lightning_ft.settings import FTConfigError
 from lightning_ft.start.decision import (
     JobAlreadyFinished,
     StartContext,
@@ -308,22 +309,10 @@ def test_a_first_quorum_at_the_checkpoint_clears_the_floor_and_a_failed_heal_ret
 
 # ---------------------------------------------------------------- the setting
 def test_start_timeout_from_the_argument_the_environment_or_the_default(monkeypatch):
-    base = dict(
-        replica_group_id=0,
-        num_replica_groups=1,
-        lighthouse=None,
-        min_replica_size=1,
-        use_async_quorum=True,
-        timeout=10,
-        quorum_timeout=10,
-        connect_timeout=10,
-        init_sync=True,
-        max_retries=None,
-        process_group="gloo",
-        checkpoint_transport="http",
-        hostname=None,
-        replica_id_prefix=PREFIX,
-    )
+    def resolve_settings(**arguments):
+        return FTStrategy(**arguments).settings
+
+    base: dict = {}
     monkeypatch.delenv("LIGHTNING_FT_START_TIMEOUT", raising=False)
     assert resolve_settings(**base).start_timeout == timedelta(seconds=300)
     assert resolve_settings(**base, start_timeout=0).start_timeout == timedelta(0)

@@ -237,7 +237,7 @@ def test_validate_and_test_outside_fit_get_a_manager_of_their_own_and_shut_it_do
     [metrics] = run.validate(model, loader(n=64))
     assert metrics["val_loss"] == pytest.approx(validation_loss(model, loader(n=64)), rel=1e-6)
     assert len(seen.managers) == 1  # combined across groups through a Manager...
-    assert strategy._handle is None  # ...that teardown shut down
+    assert strategy._fit is None  # ...that teardown shut down
     assert strategy.is_checkpoint_writer  # outside fit, group 0 rank 0 writes
 
 

@@ -89,16 +89,16 @@ def test_what_ddp_strategy_and_torch_ddp_accept_is_still_passed_on(monkeypatch):
 
 def test_the_unused_parameter_search_is_ftstrategys_default_and_an_explicit_choice_wins(monkeypatch):
     """The search keeps one bucket layout in every group (docs/configuration.md); torch's note about it is silenced
-    only where FTStrategy chose it (``_unused_search_by_default``)."""
+    only where FTStrategy chose it (``_torch_note_pending``, until the first forward pass)."""
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
     chosen = FTStrategy()
-    assert chosen._ddp_kwargs["find_unused_parameters"] is True and chosen._unused_search_by_default
+    assert chosen._ddp_kwargs["find_unused_parameters"] is True and chosen._torch_note_pending
     several = FTStrategy(num_replica_groups=2, lighthouse="http://h:1")
-    assert several._ddp_kwargs["find_unused_parameters"] is True and several._unused_search_by_default
+    assert several._ddp_kwargs["find_unused_parameters"] is True and several._torch_note_pending
     for value in (True, False):
         made = FTStrategy(find_unused_parameters=value)
-        assert made._ddp_kwargs["find_unused_parameters"] is value and not made._unused_search_by_default
+        assert made._ddp_kwargs["find_unused_parameters"] is value and not made._torch_note_pending
 
 
 def test_non_integer_environment_is_refused(monkeypatch):
@@ -197,3 +197,33 @@ def test_lightning_cli_refuses_a_choice_the_setting_does_not_have():
     assert parser.parse_args(["--strategy.algorithm", "diloco"]).strategy.algorithm == "diloco"
     with pytest.raises(Exception, match="local_sgd"):
         parser.parse_args(["--strategy.algorithm", "dilocco"])
+
+
+def unread_arguments(arguments: list[str]) -> list[str]:
+    """The FTStrategy arguments that no resolver of lightning_ft.configuration, nor DDPStrategy, reads."""
+    import inspect
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_ft.configuration import READ_HERE, RESOLVERS
+
+    read = set(READ_HERE) | set(inspect.signature(DDPStrategy.__init__).parameters)
+    for resolver in RESOLVERS:
+        read |= set(inspect.signature(resolver).parameters)
+    return [name for name in arguments if name not in read]
+
+
+def test_each_argument_is_defined_once_by_the_signature_and_read_by_its_concept():
+    """The signature is each argument's one definition: no resolver repeats a default (a resolver parameter with a
+    default would be a second one), and every argument reaches a resolver or DDPStrategy (an argument that none
+    reads would be accepted and ignored; the check finds a made-up one)."""
+    import inspect
+
+    from lightning_ft.configuration import RESOLVERS
+    from lightning_ft.strategy_arguments import OWN_ARGUMENTS
+
+    assert unread_arguments(list(OWN_ARGUMENTS)) == []
+    assert unread_arguments([*OWN_ARGUMENTS, "made_up_argument"]) == ["made_up_argument"]
+    for resolver in RESOLVERS:
+        defaults = [p.name for p in inspect.signature(resolver).parameters.values() if p.default is not p.empty]
+        assert defaults == [], (resolver.__name__, defaults)
