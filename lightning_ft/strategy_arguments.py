@@ -43,56 +43,122 @@ class FTStrategyArguments(DDPStrategy):
     ``data_parallel`` and ``data_mode``, and the state that :class:`~lightning_ft.FTStrategy`'s hooks keep.
 
     Args:
-        replica_group_id: This group's id in ``[0, num_replica_groups)``. Default: env ``REPLICA_GROUP_ID``, else 0.
-        num_replica_groups: The most groups of the job. Default: env ``NUM_REPLICA_GROUPS``, else 1.
-        lighthouse: URL of the lighthouse shared by all groups. Default: env ``TORCHFT_LIGHTHOUSE``; with neither
-            and a single group, one is started in this process.
-        min_replica_size: A step commits only if at least this many groups took part in it.
-        use_async_quorum: Form the quorum during the forward pass (a behind group heals inside the vote). Default
-            ``True`` only for ``algorithm="ddp"`` with DDP and sharded data.
-        timeout: Seconds for cross-group collectives, the commit vote and state transfer.
-        quorum_timeout: Seconds to wait for a quorum; must exceed the time between two steps.
-        connect_timeout: Seconds to connect to the lighthouse and the group's ManagerServer.
-        init_sync: Heal every group from one peer at step 0, so groups may start from different random weights.
-        max_retries: Stop after this many consecutive uncommitted steps. ``None`` retries forever.
-        process_group: Backend between groups: ``"gloo"``, ``"nccl"``, or ``"auto"`` (NCCL on CUDA, else Gloo).
-        checkpoint_transport: How a healing group receives state: ``"http"`` or ``"pg"``.
-        hostname: Address this group advertises to the others. Default: env ``LIGHTNING_FT_HOSTNAME``.
-        interface: Advertise this network interface's IPv4 address instead (env ``LIGHTNING_FT_INTERFACE``).
-        replica_id_prefix: Prefix of the id registered with the lighthouse; the group id is appended.
-        skip_non_finite_steps: Every replica skips a step whose averaged gradient has an inf or NaN.
-        buffer_sync: ``"average"``: every vote averages the buffers' change (BatchNorm statistics) over the job, so
-            every replica holds the same buffers; ``"off"``: each replica keeps its own (``docs/your-code.md``).
-        lighthouse_outage_timeout: Seconds an external lighthouse may be unreachable (``None``: no limit).
-        start_timeout: Seconds the first step waits for every group to start (``0``: none). Default: env
-            ``LIGHTNING_FT_START_TIMEOUT``, else 300.
-        world_size_mode: ``"dynamic"`` or ``"fixed_with_spares"`` (hot spares; ``docs/elasticity.md``).
-        data_mode: ``"sharded"`` or ``"exactly_once"`` (``docs/elasticity.md``).
-        algorithm: ``"ddp"``, ``"local_sgd"`` or ``"diloco"`` (``docs/semi-sync.md``).
-        sync_every: Inner optimizer steps between two syncs (``local_sgd`` and ``diloco``).
-        outer_optimizer: DiLoCo: ``{"class_path": ..., "init_args": {...}}`` or ``params -> Optimizer``.
-        fragments: DiLoCo: a number of fragments, or lists of module names (streaming DiLoCo).
-        fragment_sync_delay: DiLoCo: inner steps a fragment's allreduce may overlap.
-        fragment_update_alpha: DiLoCo: in [0, 1]; 0 takes the new global parameters, 1 keeps the local ones.
-        quantize: DiLoCo: quantise pseudo-gradients for the allreduce (CUDA and Triton).
-        data_parallel: Inside a group: ``"ddp"`` or ``"fsdp"`` (FSDP2; HSDP across groups, ``docs/hsdp.md``).
-        fsdp_wrap: FSDP: module classes that get their own ``fully_shard``, by class name or import path.
-        fsdp_min_params: FSDP: also shard every module with at least this many parameters of its own.
-        fsdp_mixed_precision: FSDP: ``MixedPrecisionPolicy`` fields, dtypes by name.
-        fsdp_cpu_offload: FSDP: keep sharded parameters, gradients and optimizer state in CPU memory.
-        fsdp_reshard_after_forward: FSDP: FSDP2's ``reshard_after_forward``.
-        gradient_as_bucket_view: DDP: torch DDP's ``gradient_as_bucket_view`` (on by default).
-        find_unused_parameters: DDP: torch DDP's ``find_unused_parameters``. ``None`` (the default): ``True``, which
-            keeps one gradient bucket layout in every group, restarted ones included, with the allreduces overlapping
-            the backward pass; torch's note about it is kept off the terminal, as the user did not set it.
+        replica_group_id: This group's id, in ``[0, num_replica_groups)``. Default: ``0``. Environment:
+            ``REPLICA_GROUP_ID``.
+        num_replica_groups: The most groups the job will have. Data is sharded over this many groups × the group size.
+            Default: ``1``. Environment: ``NUM_REPLICA_GROUPS``.
+        lighthouse: URL of the lighthouse shared by every group, e.g. ``http://host:29510``. With neither set and one
+            group, a lighthouse starts inside the process (on loopback). With more than one group it is required.
+            Environment: ``TORCHFT_LIGHTHOUSE``.
+        min_replica_size: A step commits only if at least this many groups took part. Must not exceed
+            ``num_replica_groups``.
+        use_async_quorum: Compute the quorum during the forward pass. A group that is behind then sits out one step
+            and heals inside the commit vote. ``False``: it heals before its forward pass, and every step waits for
+            the quorum first. Default: ``True`` (``False`` for ``local_sgd``/``diloco``, for ``data_parallel="fsdp"``
+            and for ``data_mode="exactly_once"``, each of which refuses ``True``).
+        timeout: Seconds for cross-group collectives, the commit vote and the state transfer. Environment:
+            ``TORCHFT_TIMEOUT_SEC`` overrides it (torchft).
+        quorum_timeout: Seconds to wait for a quorum. Must be longer than the time between two steps (including
+            validation). Environment: ``TORCHFT_QUORUM_TIMEOUT_SEC`` overrides it (torchft).
+        connect_timeout: Seconds to connect to the lighthouse and the group's Manager server. An unreachable
+            lighthouse is reported after this long, with ``LighthouseUnreachableError`` naming the URL, the settings
+            that chose it (``lighthouse``, ``TORCHFT_LIGHTHOUSE``) and how to start one. (torchft's default is 60.)
+            Environment: ``TORCHFT_CONNECT_TIMEOUT_SEC`` overrides it (torchft).
+        init_sync: Heal every group from one peer at step 0, so groups may start from different random weights. Set
+            ``False`` only if every group initialises identically.
+        max_retries: Stop with an error after this many consecutive uncommitted steps. ``None`` retries forever.
+        process_group: Backend between groups: ``"gloo"``, ``"nccl"``, or ``"auto"`` (NCCL on CUDA, otherwise Gloo).
+        checkpoint_transport: How a healing group receives state: ``"http"`` (each rank serves its state over HTTP) or
+            ``"pg"`` (over the cross-group process group).
+        hostname: The address (a name or an IP) other groups use to reach this group: its store, Manager server and
+            HTTP checkpoint server advertise it. When chosen (argument or environment) or loopback, the cross-group
+            Gloo process group also binds to it, unless ``GLOO_SOCKET_IFNAME`` is set, which Gloo then uses instead. A
+            loopback address also binds the store, Manager server and checkpoint server to loopback
+            (``docs/security.md``). Choose the address on the network that other groups should use; a name that maps
+            to ``127.0.0.1`` (as in many containers) is unreachable from other machines. NCCL picks its own interface
+            (``NCCL_SOCKET_IFNAME``). Default: the machine's hostname; ``127.0.0.1`` for one node with the embedded
+            lighthouse. Environment: ``LIGHTNING_FT_HOSTNAME`` (``lightning-ft launch`` with a loopback lighthouse
+            sets ``127.0.0.1``).
+        interface: Advertise this network interface's IPv4 address (for example ``ib0``, ``eth1``) instead of a name;
+            it then behaves exactly as a chosen ``hostname``. Give ``hostname`` or ``interface``, not both (an
+            argument wins over the environment). An interface without an IPv4 address is refused at construction,
+            naming the interfaces the machine has. Environment: ``LIGHTNING_FT_INTERFACE``.
+        replica_id_prefix: Prefix of the id the group registers with the lighthouse; the group id is appended (torchft
+            reads the trailing digits).
+        skip_non_finite_steps: When a step's averaged gradient has an inf or NaN, every replica skips the step (it
+            does not commit) instead of writing NaN into every replica. Counted and logged. Steps that GradScaler
+            already skips are unaffected.
+        buffer_sync: How the model's buffers (BatchNorm's running statistics, any ``register_buffer``) cross groups.
+            ``"average"``: at every vote, each buffer's change since the job last agreed is averaged over every
+            process of every participating group, so every replica holds bit-identical buffers at every committed
+            step, and a step that does not commit leaves them where they were (DDP's ``broadcast_buffers``, job-wide;
+            ``docs/your-code.md#buffers``). ``"off"``: each replica keeps its own.
+        lighthouse_outage_timeout: Seconds a lighthouse outage may last. While an external lighthouse is unreachable,
+            every group stalls at its next quorum (one warning naming the lighthouse), asks again once a lighthouse
+            has been back at the same address for 11 s, and resumes without losing or re-applying a step. After this
+            long without a quorum it fails with ``LighthouseUnavailableError``. ``None`` waits for as long as it
+            takes. 600 covers a supervisor restart and a Kubernetes node failure (pods are rescheduled after about 5
+            minutes).
+        start_timeout: Seconds the job's first committed step waits for every one of ``num_replica_groups`` groups to
+            start. When it expires, the job starts with the groups present (as ``min_replica_size`` allows), with one
+            warning naming the missing groups; they join and heal later. ``0`` starts as soon as any group is up. A
+            group joining a job already under way never waits. It also bounds how long a restarted group waits for a
+            live peer when the job keeps no checkpoint directory
+            (``docs/failure-semantics.md#where-a-group-starts-from``). Default: ``300``. Environment:
+            ``LIGHTNING_FT_START_TIMEOUT``.
+        world_size_mode: ``"dynamic"``: every group in the quorum contributes and the gradient is averaged over them.
+            ``"fixed_with_spares"``: exactly ``min_replica_size`` groups contribute, the others are hot spares that
+            stay healed, contribute zero, and take a dead group's place without a heal (``docs/elasticity.md``).
+        data_mode: ``"sharded"``: each rank reads its own fixed shard; lossy while membership changes.
+            ``"exactly_once"``: each committed step reads the next samples of one permutation per epoch, by
+            participating rank; no sample of an epoch skipped or read twice. Needs a map-style dataset,
+            ``DataLoader(batch_size=...)`` without a custom sampler, synchronous quorum (its default in this mode),
+            ``algorithm="ddp"`` and ``accumulate_grad_batches=1`` (``docs/elasticity.md#data-two-modes``).
+        algorithm: ``"ddp"``: gradients averaged across groups every step. ``"local_sgd"``: each group takes
+            ``sync_every`` inner steps on its own, then parameters are averaged. ``"diloco"``: the same with
+            pseudo-gradients and an outer optimizer. See ``docs/semi-sync.md``.
+        sync_every: Inner optimizer steps between two syncs; required by ``local_sgd``/``diloco``, refused with
+            ``ddp``.
+        outer_optimizer: DiLoCo only: ``class_path``/``init_args`` in YAML, or a callable ``params -> Optimizer``.
+            Default: Nesterov SGD, lr 0.7, momentum 0.9.
+        fragments: DiLoCo only: ``k`` (automatic split) or lists of module names, one per fragment (streaming DiLoCo).
+            ``sync_every`` must be a multiple of the count. Default: ``1``.
+        fragment_sync_delay: DiLoCo only: inner steps a fragment's pseudo-gradient allreduce overlaps before its outer
+            step (τ in the Streaming DiLoCo paper); below ``sync_every / fragments``. Default: ``0``.
+        fragment_update_alpha: DiLoCo only, in [0, 1]: 0 takes the new global parameters, 1 keeps the local ones.
+            Default: ``0.0``.
+        quantize: DiLoCo only: quantised pseudo-gradient allreduce; needs CUDA and Triton (refused otherwise).
+        data_parallel: How a group is data parallel inside itself: ``"ddp"`` (every rank holds a full replica) or
+            ``"fsdp"`` (FSDP2 shards the model inside the group; the gradient shards are averaged across groups). With
+            ``"fsdp"``, ``use_async_quorum`` defaults to ``False`` (``True`` is refused) and ``algorithm`` must be
+            ``"ddp"``. See ``docs/hsdp.md``.
+        fsdp_wrap: FSDP only, when ``configure_model`` does not call ``fully_shard``: module classes that get their
+            own ``fully_shard``, by class name (``"TransformerBlock"``) or import path (``"torch.nn.Linear"``).
+        fsdp_min_params: FSDP only: also shard every module with at least this many parameters of its own separately.
+        fsdp_mixed_precision: FSDP only: FSDP2's ``MixedPrecisionPolicy`` fields by name, e.g. ``{param_dtype:
+            bfloat16, reduce_dtype: float32}``.
+        fsdp_cpu_offload: FSDP only: FSDP2's ``CPUOffloadPolicy`` (shards, gradients and optimizer state in CPU
+            memory).
+        fsdp_reshard_after_forward: FSDP only: FSDP2's ``reshard_after_forward``. Default: FSDP2's.
+        gradient_as_bucket_view: DDP only: torch DDP's setting, on here (DDP's default is off). Gradients are views
+            into DDP's communication buckets: no copy into a bucket before the allreduce and none back after it, about
+            5 % of a 50M-parameter step on CPU (``docs/benchmarks.md``) and one gradient-sized buffer less. Set
+            ``False`` for code that replaces ``param.grad`` tensors or detaches them in place, which DDP refuses with
+            views.
+        find_unused_parameters: DDP only: torch DDP's setting. ``None``: ``True`` (``docs/configuration.md`` says
+            why), and torch's note that the search found nothing, about a setting the user never made, is kept off the
+            terminal (one line of FTStrategy's says why instead). An explicit value wins, and keeps torch's note.
         accelerator: As ``DDPStrategy``'s (Lightning sets it from the Trainer's ``accelerator``).
         parallel_devices: As ``DDPStrategy``'s: this group's devices (Lightning sets them from ``devices``).
         cluster_environment: As ``DDPStrategy``'s: how this group's processes find each other (torchrun, SLURM, ...).
         checkpoint_io: As ``DDPStrategy``'s. Default: crash-safe local writes (temporary file, fsync, rename).
         precision_plugin: As ``DDPStrategy``'s (Lightning sets it from ``precision``).
         process_group_backend: As ``DDPStrategy``'s: the backend inside the group (cross-group: ``process_group``).
-        **kwargs: For ``DDPStrategy`` and torch's DDP (``bucket_cap_mb``, ``static_graph``, ...). A name that
-            neither accepts raises :class:`~lightning_ft.FTConfigError` here, naming the nearest valid ones.
+        **kwargs: Passed on to ``DDPStrategy`` and torch's ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``). A
+            name that neither they nor FTStrategy accepts fails at construction, before anything starts, with an
+            ``FTConfigError`` naming the nearest valid names (``replica_groups`` → ``num_replica_groups``; FSDP2's
+            ``mp_policy`` → ``fsdp_mixed_precision``). With ``data_parallel="fsdp"`` only ``start_method`` (DDP
+            settings left at their defaults are ignored, as LightningCLI passes them all).
 
     Raises:
         FTConfigError: An argument has a value that cannot work, alone or with the others; the message names the
