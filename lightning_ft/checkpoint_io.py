@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.errors import LightningFTError
 
 
@@ -81,7 +81,7 @@ def refused_global(error: BaseException) -> str | None:
     return None
 
 
-def unreadable_checkpoint(path: lightning.PathLike, error: Exception) -> UnreadableCheckpointError:
+def unreadable_checkpoint(path: lightning_internals.PathLike, error: Exception) -> UnreadableCheckpointError:
     """Explain why ``torch.load`` could not load the checkpoint at ``path``: it holds objects that a
     ``weights_only=True`` load refuses, or it is corrupt or truncated."""
     refused = refused_global(error)
@@ -97,11 +97,11 @@ def unreadable_checkpoint(path: lightning.PathLike, error: Exception) -> Unreada
     )
 
 
-def archive_damaged(path: lightning.PathLike) -> bool | None:
+def archive_damaged(path: lightning_internals.PathLike) -> bool | None:
     """Whether the bytes at ``path`` are not an intact ``torch.save`` archive (a zip file whose members all pass
     their CRC check): True when they are not, False when they are, None when this cannot be told here (a remote
     path, or torch's legacy non-zip format, which has no checksums)."""
-    if not lightning.is_local_file_protocol(path):
+    if not lightning_internals.is_local_file_protocol(path):
         return None
     try:
         with open(path, "rb") as file:
@@ -117,7 +117,7 @@ def archive_damaged(path: lightning.PathLike) -> bool | None:
         return True
 
 
-def load_checked(path: lightning.PathLike, load: Callable[[], Any]) -> dict[str, Any]:
+def load_checked(path: lightning_internals.PathLike, load: Callable[[], Any]) -> dict[str, Any]:
     """Run ``load()`` (a ``torch.load`` of ``path``) and turn a failure to read the file into an
     :class:`UnreadableCheckpointError`. A missing file or a denied access passes unchanged: those messages name the
     path already."""
@@ -146,9 +146,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: lightning.PathLike, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: lightning_internals.PathLike, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None or not lightning.is_local_file_protocol(path):
+        if storage_options is not None or not lightning_internals.is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         target = Path(path)

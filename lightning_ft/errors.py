@@ -8,6 +8,11 @@ user's code or hardware in a rehearsal and must be handled like one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 
 class LightningFTError(Exception):
     """Base class of every error raised by lightning-ft (``except lightning_ft.LightningFTError``)."""
@@ -16,6 +21,17 @@ class LightningFTError(Exception):
 class NotAvailableError(LightningFTError, RuntimeError):
     """A part of lightning-ft was asked for outside the time it exists: for example ``FTStrategy.manager`` before
     ``setup_environment()`` or after the fit. The message says when it is available."""
+
+
+def attached_module(strategy: pl.strategies.Strategy) -> pl.LightningModule:
+    """The strategy's LightningModule, which Lightning attaches before it calls any hook that reads it.
+
+    Raises:
+        NotAvailableError: None is attached yet.
+    """
+    if strategy.lightning_module is None:
+        raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
+    return strategy.lightning_module
 
 
 class StrategyRequiredError(LightningFTError, RuntimeError):

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_ft.algorithms.sync_owner import SyncOwner
 from lightning_ft.callbacks import add_default_callbacks
 from lightning_ft.manager import FTManager, ManagerHandle, build_manager
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.contract import install_contract_check
 from lightning_ft.start.job_settings import strategy_contract
+from lightning_ft.start.last_step import deferred_last_step
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft.step.collectives import CrossGroupCollectives
@@ -38,15 +40,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class FitParts:
-    """This group's part of the job while the Trainer runs. ``protocol`` exists while fitting; ``owner`` while
-    fitting with ``algorithm="ddp"`` (a semi-synchronous sync is opened and closed by ``SyncCallback``);
-    ``lifecycle``, the job's record through the fit, while fitting."""
+    """This group's part of the job while the Trainer runs. ``protocol`` exists while fitting, with the one
+    ``owner`` of the fit's steps: a :class:`~lightning_ft.step.owner.StepOwner` per step (``algorithm="ddp"``), a
+    :class:`~lightning_ft.algorithms.sync_owner.SyncOwner` semi-synchronously; ``lifecycle``, the job's record through
+    the fit, while fitting."""
 
     handle: ManagerHandle
     telemetry: FTTelemetry
     collectives: CrossGroupCollectives
     protocol: StepProtocol | None = None
-    owner: StepOwner | None = None
+    owner: StepOwner | SyncOwner | None = None
     lifecycle: GroupLifecycle | None = None
 
     @property
@@ -85,16 +88,19 @@ def build_fit_parts(
     try:
         manager = handle.manager
         telemetry = FTTelemetry(manager, handle.transport, settings.num_replica_groups)
-        protocol = owner = None
+        protocol = None
         if lifecycle is not None:
             protocol = StepProtocol(manager, telemetry, _model_buffers(strategy, manager))
             protocol.check_before_vote(lifecycle.last_step_check(trainer).before_vote)
-            if not strategy.algorithm.semi_sync:
-                sharded = strategy.data_parallel.sharded
-                owner = StepOwner(protocol, skip_non_finite=settings.skip_non_finite_steps, sharded=sharded)
         expected_groups = settings.num_replica_groups if settings.world_size_mode == "dynamic" else None
         position = _section_position(trainer, manager, protocol)
         collectives = CrossGroupCollectives(manager, protocol, position, expected_groups=expected_groups)
+        owner: StepOwner | SyncOwner | None = None
+        if protocol is not None and strategy.algorithm.semi_sync:
+            owner = SyncOwner(protocol, collectives, strategy.algorithm, lambda: deferred_last_step(manager))
+        elif protocol is not None:
+            sharded = strategy.data_parallel.sharded
+            owner = StepOwner(protocol, skip_non_finite=settings.skip_non_finite_steps, sharded=sharded)
         if lifecycle is not None and protocol is not None:
             add_default_callbacks(
                 trainer,

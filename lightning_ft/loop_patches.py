@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.start.record import JobRecord
 from lightning_ft.step.collectives import CrossGroupCollectives
 from lightning_ft.step.owner import StepOwner
@@ -161,8 +161,8 @@ def name_checkpoints_alike(patches: LoopPatches, trainer: pl.Trainer) -> None:
     file of that name is overwritten, as when a job resumes into its own directory.
     """
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and lightning.version_counter_on(callback):
-            patches.assign(callback, lightning.VERSION_COUNTER, False)
+        if isinstance(callback, ModelCheckpoint) and lightning_internals.version_counter_on(callback):
+            patches.assign(callback, lightning_internals.VERSION_COUNTER, False)
             log.info(
                 "lightning-ft: ModelCheckpoint(enable_version_counter=True) is turned off: every replica group "
                 "must give a checkpoint the same name."
@@ -182,7 +182,7 @@ def version_against_other_runs(patches: LoopPatches, trainer: pl.Trainer, wrote:
         return exists_from_another_run
 
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and lightning.version_counter_on(callback):
+        if isinstance(callback, ModelCheckpoint) and lightning_internals.version_counter_on(callback):
             patches.wrap(callback, "file_exists", make)
 
 

@@ -31,15 +31,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ft import lightning_internals as lightning
-from lightning_ft import loop_patches
+from lightning_ft import lightning_internals, loop_patches
 from lightning_ft.algorithms.config import warn_unsynced_tail
+from lightning_ft.algorithms.sync_owner import SyncOwner
 from lightning_ft.checkpoint_io import load_checked
 from lightning_ft.data.exactly_once_training import ExactlyOnceTraining
 from lightning_ft.data.job_shard import JobShard, fit_sampler_to_job, forget_job_shard, publish_job_shard
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.sidecars import remove_sidecars, save_own_position, use_own_position
-from lightning_ft.errors import NotAvailableError
+from lightning_ft.errors import NotAvailableError, attached_module
 from lightning_ft.fit_parts import FitParts, build_fit_parts
 from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
 from lightning_ft.heal.state import state_fingerprint
@@ -93,9 +93,7 @@ class FTStrategy(FTStrategyArguments):
     @property
     def _module(self) -> pl.LightningModule:
         """``lightning_module``, which Lightning attaches before it calls any hook that reads this."""
-        if self.lightning_module is None:
-            raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
-        return self.lightning_module
+        return attached_module(self)
 
     def _parts(self, name: str, while_: str = "fitting, validating or testing") -> FitParts:
         if self._fit is None:
@@ -129,12 +127,12 @@ class FTStrategy(FTStrategyArguments):
         return protocol
 
     @property
-    def step_owner(self) -> StepOwner:
-        """The one owner of each optimizer step (:mod:`lightning_ft.step.owner`), while fitting with
-        ``algorithm="ddp"`` (else ``NotAvailableError``)."""
-        owner = self._parts("step_owner", "fitting with algorithm='ddp'").owner
+    def step_owner(self) -> StepOwner | SyncOwner:
+        """The one owner of the fit's steps, while fitting (else ``NotAvailableError``): of each optimizer step
+        (:mod:`lightning_ft.step.owner`), or each semi-synchronous sync (:mod:`lightning_ft.algorithms.sync_owner`)."""
+        owner = self._parts("step_owner", "fitting").owner
         if owner is None:
-            raise NotAvailableError("FTStrategy.step_owner is only available while fitting with algorithm='ddp'.")
+            raise NotAvailableError("FTStrategy.step_owner is only available while fitting.")
         return owner
 
     @property
@@ -167,10 +165,8 @@ class FTStrategy(FTStrategyArguments):
         """Whether this process writes the job's global checkpoints: rank 0 of the lowest-numbered group taking part
         in the current quorum (the duty moves on when that group dies; a healing group never writes). Outside
         fitting, and in a job of one group, group 0's rank 0 (before the first quorum too: ``Tuner.lr_find``)."""
-        if self.global_rank != 0:
-            return False
-        if self._fit is None or self._fit.protocol is None or self.num_replica_groups == 1:
-            return self.replica_group_id == 0
+        if self.global_rank != 0 or self._fit is None or self._fit.protocol is None or self.num_replica_groups == 1:
+            return self.global_rank == 0 and self.replica_group_id == 0
         return self._fit.manager.participating_rank() == 0
 
     def start_quorum(self) -> None:
@@ -178,13 +174,15 @@ class FTStrategy(FTStrategyArguments):
         quorum opens (a behind group heals here with synchronous quorum) and Lightning's step counters are put on
         the committed count; a no-op once the step has begun. Per-step training only (else ``NotAvailableError``):
         a semi-synchronous sync opens its own quorum."""
-        self.step_owner.begin(self._module.trainer)
+        if not isinstance(owner := self.step_owner, StepOwner):
+            raise NotAvailableError("FTStrategy.start_quorum: a semi-synchronous fit's syncs open their own quorums.")
+        owner.begin(self._module.trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Begin the step: Lightning calls this after every callback's ``on_train_batch_start``, so the quorum is
         open by the forward pass whatever callbacks the trainer has (``QuorumCallback`` opens it earlier)."""
-        if self._fit is not None and self._fit.owner is not None:
+        if self._fit is not None and isinstance(self._fit.owner, StepOwner):  # a sync's: SyncCallback's own hook
             self._fit.owner.begin(self._module.trainer)
 
     # ------------------------------------------------------------------ ranks and data
@@ -292,9 +290,9 @@ class FTStrategy(FTStrategyArguments):
             refuse_group_local_settings(trainer, self.num_replica_groups)
             if self.algorithm.semi_sync:  # LR schedulers follow inner steps, which always happen
                 warn_unsynced_tail(self.algorithm, trainer.max_steps)
-            owner = self._fit.owner if self._fit is not None else None
+            per_step = self._fit.owner if self._fit is not None and isinstance(self._fit.owner, StepOwner) else None
             record = self._lifecycle.record if self._lifecycle is not None else None
-            loop_patches.prepare_the_fit(self._patches, trainer, owner, record, self.num_replica_groups)
+            loop_patches.prepare_the_fit(self._patches, trainer, per_step, record, self.num_replica_groups)
             if self.data_mode == "exactly_once":
                 self._exactly_once.prepare(trainer, self._patches)
         if self._fit is not None:
@@ -362,7 +360,7 @@ class FTStrategy(FTStrategyArguments):
                 output = super().training_step(*args, **kwargs)
         else:
             output = super().training_step(*args, **kwargs)
-        if self._fit is not None and self._fit.owner is not None:
+        if self._fit is not None and isinstance(self._fit.owner, StepOwner):
             self._fit.owner.saw_output(output)
         return output
 
@@ -382,7 +380,7 @@ class FTStrategy(FTStrategyArguments):
         """
         if self._frozen_at_start and self.job_shard.world_size > 1:
             check_nothing_unfrozen(self._module)
-        if self._fit is None or self._fit.owner is None:  # semi-sync, or outside a fit: the group's own, as in DDP
+        if self._fit is None or not isinstance(self._fit.owner, StepOwner):  # semi-sync, or no fit: as in DDP
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self._module
         assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
@@ -429,7 +427,7 @@ class FTStrategy(FTStrategyArguments):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: lightning.PathLike, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: lightning_internals.PathLike, storage_options: Any | None = None
     ) -> None:
         """Write only on the single checkpoint writer, crash-safely, and only forward (not a state older than the
         newest in the file's directory); every rank also writes its own data position beside it."""
@@ -444,7 +442,7 @@ class FTStrategy(FTStrategyArguments):
             events.emit("checkpoint_saved", path=str(filepath), step=checkpoint.get("global_step"))
 
     @override
-    def remove_checkpoint(self, filepath: lightning.PathLike) -> None:
+    def remove_checkpoint(self, filepath: lightning_internals.PathLike) -> None:
         """On the checkpoint writer only: remove the checkpoint, its data-position sidecars and its record entry."""
         if self.is_checkpoint_writer:
             self.checkpoint_io.remove_checkpoint(filepath)
@@ -453,7 +451,9 @@ class FTStrategy(FTStrategyArguments):
                 self._lifecycle.record.record_removal(filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: lightning.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: lightning_internals.PathLike, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the shared checkpoint (``weights_only=True`` unless asked otherwise: the files hold plain data) with
         this rank's own data position from its sidecar.
 

@@ -4,7 +4,7 @@ torchft's ``DiLoCo`` object is created (it allocates each fragment's backup of t
 fragments and registers each fragment's backup and outer optimizer state with the Manager for healing), but its
 context manager is never entered: its optimizer hooks would trigger syncs from an inner-step counter that is not
 part of any state dict, so a restarted group would sync at other steps than its peers. Here a sync is triggered by
-:class:`~lightning_ft.callbacks.SyncCallback` from ``trainer.global_step``, and runs one fragment's
+:class:`~lightning_ft.algorithms.sync_owner.SyncOwner` from ``trainer.global_step``, and runs one fragment's
 ``prepare_sync()`` (pseudo-gradient allreduce) and ``perform_sync()`` (restore the global parameters, outer step,
 mix with the local ones by ``fragment_update_alpha``, commit vote). The fragment is chosen as torchft does, from the
 Manager step (which heals), so every group syncs the same fragment.

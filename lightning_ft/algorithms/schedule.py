@@ -1,9 +1,9 @@
 """When a semi-synchronous group syncs: :class:`SyncSchedule`, the decisions of LocalSGD and DiLoCo's sync points.
 
-The schedule only decides; :class:`~lightning_ft.callbacks.SyncCallback` carries its decisions out in Lightning's
-loop (opening the quorum, starting a fragment's allreduce, averaging and voting). Every decision is a function of the
-inner step (``trainer.global_step``) and of the syncs already opened and taken, which every group of the job shares,
-so every group decides alike.
+The schedule only decides; :class:`~lightning_ft.algorithms.sync_owner.SyncOwner` carries its decisions out in
+Lightning's loop (opening the quorum, starting a fragment's allreduce, averaging and voting). Every decision is a
+function of the inner step (``trainer.global_step``) and of the syncs already opened and taken, which every group of
+the job shares, so every group decides alike.
 
 A sync sits at the start of the batch that follows every ``period``-th inner step (``sync_every``, or
 ``sync_every / fragments`` for streaming DiLoCo). With a ``delay`` (``fragment_sync_delay``, τ) it comes in two

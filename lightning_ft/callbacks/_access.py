@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 from torchft import Manager
 
 from lightning_ft.algorithms.config import AlgorithmSettings
+from lightning_ft.algorithms.sync_owner import SyncOwner
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.errors import StrategyRequiredError
 from lightning_ft.manager.telemetry import FTTelemetry
@@ -26,8 +27,9 @@ T = TypeVar("T")
 
 class FaultTolerantStrategy(Protocol):
     """The attributes of a strategy that the lightning-ft callbacks read. ``manager``, ``collectives`` and
-    ``telemetry`` exist while fitting, validating and testing; ``step_protocol`` while fitting, and ``step_owner``
-    while fitting with per-step training. Each raises ``RuntimeError`` outside those times."""
+    ``telemetry`` exist while fitting, validating and testing; ``step_protocol`` and ``step_owner`` while fitting
+    (the one owner of the fit's steps: a ``StepOwner`` per step, a ``SyncOwner`` semi-synchronously). Each raises
+    ``RuntimeError`` outside those times."""
 
     settings: FTSettings
     algorithm: AlgorithmSettings
@@ -39,7 +41,7 @@ class FaultTolerantStrategy(Protocol):
     def step_protocol(self) -> StepProtocol: ...
 
     @property
-    def step_owner(self) -> StepOwner: ...
+    def step_owner(self) -> StepOwner | SyncOwner: ...
 
     @property
     def collectives(self) -> CrossGroupCollectives: ...
@@ -72,8 +74,15 @@ def ft_step_protocol(trainer: pl.Trainer) -> StepProtocol:
 
 
 def ft_step_owner(trainer: pl.Trainer) -> StepOwner:
-    """The owner of each optimizer step (per-step training; semi-synchronous training has syncs instead)."""
+    """The owner of each optimizer step of a per-step fit (``algorithm="ddp"``)."""
     return _required_part(trainer, "step_owner", StepOwner)
+
+
+def ft_sync_owner(trainer: pl.Trainer) -> SyncOwner:
+    """The owner of each sync of a semi-synchronous fit (``algorithm="local_sgd"`` or ``"diloco"``)."""
+    if not is_semi_sync(trainer):
+        raise StrategyRequiredError("SyncCallback needs FTStrategy(algorithm='local_sgd') or 'diloco'.")
+    return _required_part(trainer, "step_owner", SyncOwner)
 
 
 def has_step_protocol(trainer: pl.Trainer) -> bool:

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
 from lightning_ft.errors import LightningFTError
 from lightning_ft.heal.fingerprint import state_fingerprints
@@ -138,7 +138,7 @@ class ReplicaConsistencyCheck(Callback):
                 any group's does (``"stop"``), or no strict majority exists.
             StrategyRequiredError: The strategy has no torchft Manager, step protocol or collectives.
         """
-        if lightning.should_accumulate(trainer):  # no vote in this batch
+        if lightning_internals.should_accumulate(trainer):  # no vote in this batch
             return
         if not ft_step_protocol(trainer).last_step_committed:
             return  # the vote failed in every group of the quorum: the count they share did not move

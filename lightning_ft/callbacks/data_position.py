@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
 from lightning_ft.data.position import (
     LoopPosition,
@@ -86,8 +86,10 @@ class DataPositionCallback(Callback):
         """Run :meth:`_after_epoch_start` right after the epoch loop's ``on_run_start``: the one point between
         Lightning's own restore of the position and the first batch of the epoch (no callback hook sits there)."""
 
-        def make(run_start: Callable[[lightning.DataFetcher], None]) -> Callable[[lightning.DataFetcher], None]:
-            def on_run_start(data_fetcher: lightning.DataFetcher) -> None:
+        def make(
+            run_start: Callable[[lightning_internals.DataFetcher], None],
+        ) -> Callable[[lightning_internals.DataFetcher], None]:
+            def on_run_start(data_fetcher: lightning_internals.DataFetcher) -> None:
                 run_start(data_fetcher)
                 self._after_epoch_start(trainer, data_fetcher)
 
@@ -111,7 +113,7 @@ class DataPositionCallback(Callback):
         if not healing(trainer):
             self._resume = ResumePlan.from_checkpoint(checkpoint)
 
-    def _after_epoch_start(self, trainer: pl.Trainer, fetcher: lightning.DataFetcher) -> None:
+    def _after_epoch_start(self, trainer: pl.Trainer, fetcher: lightning_internals.DataFetcher) -> None:
         plan, self._resume = self._resume, None
         if plan is None:
             return
@@ -163,8 +165,8 @@ class DataPositionCallback(Callback):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        fetcher = lightning.data_fetcher(trainer)
-        combined_loader = lightning.combined_loader(trainer)
+        fetcher = lightning_internals.data_fetcher(trainer)
+        combined_loader = lightning_internals.combined_loader(trainer)
         assert fetcher is not None and combined_loader is not None
         if not supports_repositioning(fetcher):
             log.warning("lightning-ft: training_step reads the dataloader itself; its position is not aligned")

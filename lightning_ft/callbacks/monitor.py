@@ -13,13 +13,14 @@ from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, T
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.callbacks._access import (
     ft_exactly_once_data,
     ft_manager,
     ft_step_protocol,
     ft_telemetry,
     has_ft_manager,
+    is_semi_sync,
 )
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
@@ -87,7 +88,7 @@ class FaultToleranceMonitor(Callback):
         self._patches.undo()
         if self.progress_bar and bar is not None:
             self._show_replicas(bar)
-        if isinstance(bar, (TQDMProgressBar, RichProgressBar)) and not _semi_sync(trainer):
+        if isinstance(bar, (TQDMProgressBar, RichProgressBar)) and not is_semi_sync(trainer):
             self._count_committed_batches(bar)
 
     @override
@@ -154,11 +155,11 @@ class FaultToleranceMonitor(Callback):
             return
         telemetry = ft_telemetry(trainer)
         heals = len(telemetry.heals) if telemetry is not None else 0
-        if not (lightning.should_update_logs(trainer) or heals > self._heals_logged):
+        if not (lightning_internals.should_update_logs(trainer) or heals > self._heals_logged):
             return
         self._heals_logged = heals
         metrics = self.metrics(trainer)
-        step = lightning.batches_that_stepped(trainer)  # where Lightning logs this batch (as LR monitor)
+        step = lightning_internals.batches_that_stepped(trainer)  # where Lightning logs this batch (as LR monitor)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -206,11 +207,6 @@ class FaultToleranceMonitor(Callback):
         """Record the exception that ends the run as an ``exception`` event (type, message, committed step)."""
         step = ft_manager(trainer).current_step() if has_ft_manager(trainer) else None
         events.emit("exception", step=step, type=type(exception).__name__, message=str(exception)[:1000])
-
-
-def _semi_sync(trainer: pl.Trainer) -> bool:
-    algorithm = getattr(trainer.strategy, "algorithm", None)
-    return bool(getattr(algorithm, "semi_sync", False))
 
 
 def _logger_directory(trainer: pl.Trainer) -> str | None:

@@ -54,8 +54,8 @@ class StateTransferCallback(Callback):
         if stage != "fit":
             return
         manager = ft_manager(trainer)  # a new Manager for every fit, so registering once per fit is exactly right
-        # Semi-synchronous training: the Manager step counts syncs, not optimizer steps; SyncCallback heals the
-        # step counters from its own part of the payload.
+        # Semi-synchronous training: the Manager step counts syncs, not optimizer steps; its owner (SyncOwner)
+        # heals the step counters from its own part of the payload.
         steps_follow_manager = not is_semi_sync(trainer)
 
         buffers = ft_step_protocol(trainer).buffers if has_step_protocol(trainer) else None

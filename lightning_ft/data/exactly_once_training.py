@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.data.placement import ExactlyOnceData, StepPlacement, exactly_once_loader
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft.manager import FTManager
@@ -82,6 +82,6 @@ class ExactlyOnceTraining:
         batch, refetched = self.data.batch_for_step(batch, placement)
         if refetched:
             batch = trainer.precision_plugin.convert_input(batch)
-            batch = lightning.run_on_before_batch_transfer(trainer.lightning_module, batch, dataloader_idx)
+            batch = lightning_internals.run_on_before_batch_transfer(trainer.lightning_module, batch, dataloader_idx)
             events.emit("data_refetched", step=manager.current_step(), cursor=placement.cursor)
         return batch

@@ -46,7 +46,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.settings import DATA_MODES, FTConfigError
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -308,7 +308,7 @@ def exactly_once_loader(
 def _order_of(sampler: Sampler | Iterable[Any]) -> tuple[bool, int]:
     """Whether the user asked for shuffling, and with which seed, from the sampler the loader was given."""
     if isinstance(sampler, DistributedSamplerWrapper):  # Lightning's wrapper around a custom sampler
-        sampler = lightning.custom_sampler(sampler)
+        sampler = lightning_internals.custom_sampler(sampler)
     elif isinstance(sampler, DistributedSampler):  # Lightning's, built from the user's shuffle=...
         return bool(sampler.shuffle), int(sampler.seed)
     if isinstance(sampler, RandomSampler):

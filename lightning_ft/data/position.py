@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class LoopPosition:
         return cls(int(state["epoch"]), int(state["current_ready"]), int(state["total_ready"]))
 
 
-def shift_batch_progress(progress: lightning.BatchProgress, current_delta: int, total_delta: int) -> None:
+def shift_batch_progress(progress: lightning_internals.BatchProgress, current_delta: int, total_delta: int) -> None:
     """Move every batch counter by the same amount, ``current`` by ``current_delta`` and ``total`` by
     ``total_delta``.
 
@@ -76,23 +76,23 @@ def shift_batch_progress(progress: lightning.BatchProgress, current_delta: int, 
         tracker.completed += delta
 
 
-def align_with_peer(progress: lightning.BatchProgress, own: LoopPosition, peer: LoopPosition) -> None:
+def align_with_peer(progress: lightning_internals.BatchProgress, own: LoopPosition, peer: LoopPosition) -> None:
     """Shift this replica's counters so that ``own`` (a position this replica was at) becomes ``peer``."""
     shift_batch_progress(progress, peer.current_ready - own.current_ready, peer.total_ready - own.total_ready)
 
 
-def supports_repositioning(fetcher: lightning.DataFetcher) -> bool:
+def supports_repositioning(fetcher: lightning_internals.DataFetcher) -> bool:
     """Whether Lightning reads the batches itself. With ``training_step(dataloader_iter)`` the user does, so the
     position cannot be moved from outside."""
-    return not isinstance(fetcher, lightning.DataLoaderIterDataFetcher)
+    return not isinstance(fetcher, lightning_internals.DataLoaderIterDataFetcher)
 
 
-def iterator_position(fetcher: lightning.DataFetcher) -> int:
+def iterator_position(fetcher: lightning_internals.DataFetcher) -> int:
     """Index of the batch the next ``next(fetcher)`` returns (a prefetching fetcher has read ahead)."""
     return fetcher.fetched - len(getattr(fetcher, "batches", ()))
 
 
-def skip_batches(fetcher: lightning.DataFetcher, count: int) -> int:
+def skip_batches(fetcher: lightning_internals.DataFetcher, count: int) -> int:
     """Read and discard up to ``count`` batches; returns how many were skipped (fewer if the epoch ran out)."""
     for skipped in range(count):
         try:
@@ -103,7 +103,7 @@ def skip_batches(fetcher: lightning.DataFetcher, count: int) -> int:
 
 
 def reposition_fetcher(
-    fetcher: lightning.DataFetcher,
+    fetcher: lightning_internals.DataFetcher,
     loaders: Iterable[object],
     *,
     iterator_epoch: int,
@@ -120,7 +120,7 @@ def reposition_fetcher(
         skip_batches(fetcher, target_position - iterator_position(fetcher))
         return "forward"
     for loader in loaders:
-        lightning.set_sampler_epoch(loader, target_epoch)
+        lightning_internals.set_sampler_epoch(loader, target_epoch)
     iter(fetcher)
     skip_batches(fetcher, target_position - iterator_position(fetcher))
     return "restart"
@@ -148,7 +148,7 @@ class ResumePlan:
         return "loader_state" if self.loader_states else "counting"
 
 
-def resume_fetcher(trainer: pl.Trainer, fetcher: lightning.DataFetcher, plan: ResumePlan) -> int:
+def resume_fetcher(trainer: pl.Trainer, fetcher: lightning_internals.DataFetcher, plan: ResumePlan) -> int:
     """Put a resumed fit's iterator at the restored batch; returns that batch's index.
 
     Runs right after the epoch loop's ``on_run_start``, where Lightning has set the samplers' epoch and added the
@@ -158,10 +158,10 @@ def resume_fetcher(trainer: pl.Trainer, fetcher: lightning.DataFetcher, plan: Re
     loader states when there are some, else from the start of the epoch and moved forward by counting.
     """
     position = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-    combined_loader = lightning.combined_loader(trainer)
+    combined_loader = lightning_internals.combined_loader(trainer)
     assert combined_loader is not None
     if plan.loader_states:
-        lightning.load_loader_states(combined_loader, plan.loader_states)
+        lightning_internals.load_loader_states(combined_loader, plan.loader_states)
         iter(fetcher)
         fetcher.fetched += position
         if fetcher.length is not None:

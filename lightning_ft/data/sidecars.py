@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.checkpoint_io import write_atomically
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -40,16 +40,16 @@ CHECKPOINT_KEY = "lightning_ft"
 POSITION_OF = "data_position_of"
 
 
-def sidecar_dir(checkpoint_path: lightning.PathLike) -> str:
+def sidecar_dir(checkpoint_path: lightning_internals.PathLike) -> str:
     """``<checkpoint>.data``; a local symbolic link (``ModelCheckpoint(save_last="link")``) is followed, so the
     sidecars of ``last.ckpt`` are those of the checkpoint it points to."""
     path = str(checkpoint_path)
-    if lightning.is_local_file_protocol(path):
+    if lightning_internals.is_local_file_protocol(path):
         path = os.path.realpath(path)
     return path + SIDECAR_DIR_SUFFIX
 
 
-def sidecar_path(checkpoint_path: lightning.PathLike, replica_group_id: int, group_rank: int) -> str:
+def sidecar_path(checkpoint_path: lightning_internals.PathLike, replica_group_id: int, group_rank: int) -> str:
     return f"{sidecar_dir(checkpoint_path)}/group{replica_group_id}.rank{group_rank}.pt"
 
 
@@ -81,8 +81,8 @@ def sidecar_for(checkpoint: dict[str, Any], replica_group_id: int, group_rank: i
 def write_sidecar(sidecar: dict[str, Any], path: str) -> None:
     """Write one sidecar whole or not at all. Only this rank writes ``path``, so only its own leftovers from a
     write that was killed midway are swept (other ranks write into the same directory at the same time)."""
-    if not lightning.is_local_file_protocol(path):
-        lightning.atomic_save(sidecar, path)
+    if not lightning_internals.is_local_file_protocol(path):
+        lightning_internals.atomic_save(sidecar, path)
         return
     target = Path(path)
     write_atomically(sidecar, target)
@@ -92,7 +92,7 @@ def write_sidecar(sidecar: dict[str, Any], path: str) -> None:
 
 def save_own_position(
     checkpoint: dict[str, Any],
-    checkpoint_path: lightning.PathLike,
+    checkpoint_path: lightning_internals.PathLike,
     replica_group_id: int,
     group_rank: int,
     *,
@@ -108,7 +108,7 @@ def save_own_position(
         write_sidecar(sidecar, sidecar_path(checkpoint_path, replica_group_id, group_rank))
 
 
-def remove_sidecars(checkpoint_path: lightning.PathLike) -> None:
+def remove_sidecars(checkpoint_path: lightning_internals.PathLike) -> None:
     """Remove every rank's sidecars of one checkpoint (and nothing else: other checkpoints' sidecars live in their
     own directories, possibly being written by other groups right now)."""
     directory = sidecar_dir(checkpoint_path)
@@ -119,7 +119,7 @@ def remove_sidecars(checkpoint_path: lightning.PathLike) -> None:
 
 def use_own_position(
     checkpoint: dict[str, Any],
-    checkpoint_path: lightning.PathLike,
+    checkpoint_path: lightning_internals.PathLike,
     replica_group_id: int,
     group_rank: int,
     weights_only: bool | None = None,
@@ -164,7 +164,7 @@ def _read_sidecar(path: str, weights_only: bool | None) -> tuple[dict[str, Any] 
     try:
         # A sidecar is plain data written by lightning-ft, so it loads with weights_only=True unless the caller
         # explicitly allowed more (a StatefulDataLoader state may hold the user's own dataset state).
-        sidecar = lightning.load_file(
+        sidecar = lightning_internals.load_file(
             path, map_location="cpu", weights_only=True if weights_only is None else weights_only
         )
     except Exception as error:  # any unreadable content: truncated, not a torch file, unpicklable

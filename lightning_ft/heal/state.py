@@ -6,9 +6,10 @@ dict that ``Trainer.save_checkpoint`` writes. The model, every optimizer and LR 
 callbacks add in their ``on_save_checkpoint`` hooks and read back in ``on_load_checkpoint`` (``WeightAveraging``'s
 averaged model, a module's own counters). So a heal *is* that checkpoint, built by Lightning's own code on the
 sender and restored by Lightning's own code, in its order and with its hooks, on the healer, in memory
-(:func:`~lightning_ft.lightning_internals.dump_checkpoint`, :func:`~lightning_ft.lightning_internals.
-restore_from_checkpoint`). The strategy's part of it, the model's and the optimizers' state, is this process's own
-while a heal runs (:mod:`lightning_ft.heal.checkpoint_mode`): with FSDP, this rank's shards.
+(:func:`~lightning_ft.lightning_internals.dump_checkpoint`,
+:func:`~lightning_ft.lightning_internals.restore_from_checkpoint`). The strategy's part of it, the model's and the
+optimizers' state, is this process's own while a heal runs (:mod:`lightning_ft.heal.checkpoint_mode`): with FSDP,
+this rank's shards.
 
 What of the checkpoint each group keeps its own is listed once, with the reason, in :data:`NOT_CARRIED` and
 :data:`APPLIED_OWN_WAY`. Everything a heal carries arrives through torch's ``weights_only=True`` unpickler (see
@@ -32,7 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.errors import LightningFTError, NotAvailableError
 from lightning_ft.heal.checkpoint_mode import HealCheckpointMode
 from lightning_ft.hsdp.full_state import full_model_state, full_optimizer_state
@@ -86,8 +87,11 @@ def capture_training_state(trainer: pl.Trainer, committed_buffers: dict[str, Any
     state is sent, so ``committed_buffers`` (:meth:`~lightning_ft.step.buffers.ModelBuffers.committed_state`) replace
     the live ones that the model's state holds.
     """
-    with heal_mode(trainer).open(holds_shards(trainer), committed_buffers), lightning.pruning_kept_as_trained(trainer):
-        checkpoint = lightning.dump_checkpoint(trainer)
+    with (
+        heal_mode(trainer).open(holds_shards(trainer), committed_buffers),
+        lightning_internals.pruning_kept_as_trained(trainer),
+    ):
+        checkpoint = lightning_internals.dump_checkpoint(trainer)
     carried = {key: value for key, value in checkpoint.items() if key not in NOT_CARRIED}
     # Lightning's dump read the loops' whole state (a stateful loader's state_dict() included, a read); a heal keeps
     # the epoch progress only (APPLIED_OWN_WAY).
@@ -115,7 +119,7 @@ def apply_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     state = check_training_state(trainer, state)
     scale_before = _loss_scale(trainer)
     with heal_mode(trainer).open(holds_shards(trainer)):
-        lightning.restore_from_checkpoint(trainer, state)
+        lightning_internals.restore_from_checkpoint(trainer, state)
     _rescale_unscaled_gradients(trainer, scale_before, _loss_scale(trainer))
     trainer.fit_loop.epoch_progress.load_state_dict(state["loops"]["fit_loop"]["epoch_progress"])
 
@@ -218,7 +222,20 @@ def align_step_counters(trainer: pl.Trainer, committed_steps: int) -> None:
 
 def align_logger_step(trainer: pl.Trainer, committed_steps: int) -> None:
     """Log this batch's metrics at the committed step, as Lightning does with its own step count at batch start."""
-    lightning.set_batches_that_stepped(trainer, committed_steps)
+    lightning_internals.set_batches_that_stepped(trainer, committed_steps)
+
+
+def realign_after_the_first_commit(
+    trainer: pl.Trainer, committed: bool | None, step: int, *, sharded: bool = False
+) -> bool:
+    """After the job's first commit (Manager ``step`` 1) in a group of several ranks, broadcast rank 0's state in the
+    group (:func:`broadcast_state_in_group`: ``init_sync`` healed each rank from a possibly different group). Not with
+    FSDP (``sharded``): each rank holds its own shard, and rank r of every group healed from the same group. Each step
+    owner calls this as its step closes; returns whether it broadcast."""
+    if not committed or step != 1 or trainer.world_size == 1 or sharded:
+        return False
+    broadcast_state_in_group(trainer)
+    return True
 
 
 def broadcast_state_in_group(trainer: pl.Trainer) -> None:

@@ -15,8 +15,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_ft import lightning_internals as lightning
-from lightning_ft.errors import NotAvailableError
+from lightning_ft import lightning_internals
+from lightning_ft.errors import attached_module
 from lightning_ft.hsdp import full_state as sharded_checkpoint
 from lightning_ft.hsdp.data_parallel import FSDPSettings
 from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, group_mesh, is_sharded, shard_module
@@ -46,7 +46,7 @@ class GroupFSDP:
     def setup_environment(self, strategy: DDPStrategy) -> None:
         """The group's mesh, before ``configure_model()``, which may shard over ``self.device_mesh``."""
         self._mesh = group_mesh(strategy.root_device)
-        lightning.set_device_mesh(_module(strategy), self._mesh)
+        lightning_internals.set_device_mesh(attached_module(strategy), self._mesh)
 
     def setup(self, strategy: DDPStrategy, trainer: pl.Trainer) -> None:
         """``DDPStrategy.setup`` with FSDP2 sharding in place of the DDP wrapper. The model is sharded only when
@@ -55,24 +55,24 @@ class GroupFSDP:
         assert strategy.accelerator is not None and strategy.model is not None
         strategy.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        layer_sync = lightning.layer_sync(strategy)
+        layer_sync = lightning_internals.layer_sync(strategy)
         if fitting and layer_sync:
             strategy.model = layer_sync.apply(strategy.model)
         strategy.precision_plugin.convert_module(strategy.model)
         strategy.model_to_device()
         if fitting:
             assert self._mesh is not None
-            module = _module(strategy)
+            module = attached_module(strategy)
             shard_module(module, self._mesh, self._settings)
             hook = self._cross_group_hook()
             for fsdp_module in fsdp_modules(module):
                 fsdp_module.set_all_reduce_hook(hook)
             strategy.setup_optimizers(trainer)
         elif not is_sharded(strategy.model):
-            lightning.sync_module_states(strategy.model)
+            lightning_internals.sync_module_states(strategy.model)
         strategy.setup_precision_plugin()
         if fitting:
-            lightning.optimizers_to_device(strategy.optimizers, strategy.root_device)
+            lightning_internals.optimizers_to_device(strategy.optimizers, strategy.root_device)
 
     @contextmanager
     def block_backward_sync(self, strategy: DDPStrategy) -> Iterator[None]:
@@ -84,23 +84,16 @@ class GroupFSDP:
 
     def lightning_module_state_dict(self, strategy: DDPStrategy) -> dict[str, Any]:
         """The full (unsharded) model state, gathered for group rank 0."""
-        return sharded_checkpoint.full_model_state(_module(strategy))
+        return sharded_checkpoint.full_model_state(attached_module(strategy))
 
     def optimizer_state(self, strategy: DDPStrategy, optimizer: Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name, gathered for group rank 0."""
-        optimizer = lightning.unwrapped_optimizer(optimizer)  # a LightningOptimizer
-        return sharded_checkpoint.full_optimizer_state(_module(strategy), optimizer)
+        optimizer = lightning_internals.unwrapped_optimizer(optimizer)  # a LightningOptimizer
+        return sharded_checkpoint.full_optimizer_state(attached_module(strategy), optimizer)
 
     def load_model_state_dict(self, strategy: DDPStrategy, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        sharded_checkpoint.load_full_model_state(_module(strategy), checkpoint["state_dict"], strict=strict)
+        sharded_checkpoint.load_full_model_state(attached_module(strategy), checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, strategy: DDPStrategy, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"], strict=False):
-            sharded_checkpoint.load_full_optimizer_state(_module(strategy), optimizer, state)
-
-
-def _module(strategy: DDPStrategy) -> pl.LightningModule:
-    module = strategy.lightning_module
-    if module is None:
-        raise NotAvailableError("FTStrategy: no LightningModule is attached yet.")
-    return module
+            sharded_checkpoint.load_full_optimizer_state(attached_module(strategy), optimizer, state)

@@ -68,10 +68,6 @@ class TimedTransport(CheckpointTransport[T]):
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
 
-    def take_receive_seconds(self) -> float | None:
-        """The latest receive's duration, once: ``None`` if nothing was received since the last call."""
-        return self.take_receive()[0]
-
     def take_receive(self) -> tuple[float | None, int | None]:
         """The latest receive's duration and source (the sender's replica rank in that quorum), once; ``(None,
         None)`` if nothing was received since the last call."""

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.errors import LightningFTError
 from lightning_ft.hsdp.data_parallel import DataParallelSettings
@@ -98,7 +98,7 @@ def describe_job(trainer: pl.Trainer, strategy_settings: dict[str, Any]) -> JobC
         "train batches per epoch": trainer.num_training_batches,
         # A duration leaves Lightning's batch interval unset (its seconds are kept apart).
         "val_check_interval": getattr(trainer, "val_check_interval", None),
-        "val_check_interval seconds": lightning.val_check_time_interval(trainer),
+        "val_check_interval seconds": lightning_internals.val_check_time_interval(trainer),
         "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
         "limit_val_batches": trainer.limit_val_batches,
         "model structure": _model_structure(trainer.lightning_module),
@@ -224,7 +224,7 @@ def refuse_group_local_settings(trainer: pl.Trainer, num_replica_groups: int) ->
     """Raise :class:`~lightning_ft.settings.FTConfigError` for a Lightning setting that each group would apply on its
     own, at a different step, in a job of several groups: a validation cadence given as a duration (each group's clock
     would start validation, a job-wide section, at another step)."""
-    seconds = lightning.val_check_time_interval(trainer)
+    seconds = lightning_internals.val_check_time_interval(trainer)
     if num_replica_groups > 1 and seconds is not None:
         raise FTConfigError(
             f"lightning-ft: Trainer(val_check_interval=...) is a duration ({seconds:g} s): each replica group would "

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_ft import lightning_internals as lightning
+from lightning_ft import lightning_internals
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft.settings import FTConfigError, FTSettings
 from lightning_ft.start.decision import (
@@ -154,7 +154,9 @@ class GroupLifecycle:
         group = self._settings.replica_group_id
 
         def make(resume_start: Callable[..., None]) -> Callable[..., None]:
-            def resume_where_the_job_is(checkpoint_path: lightning.PathLike | None = None, **kwargs: Any) -> None:
+            def resume_where_the_job_is(
+                checkpoint_path: lightning_internals.PathLike | None = None, **kwargs: Any
+            ) -> None:
                 if checkpoint_path:  # the user chose where the job resumes
                     return resume_start(checkpoint_path, **kwargs)
                 protocol.require_floor(decision.floor_step, decision.floor_source)
@@ -172,9 +174,9 @@ class GroupLifecycle:
 
             return resume_where_the_job_is
 
-        patches.wrap(lightning.checkpoint_connector(trainer), "resume_start", make)
+        patches.wrap(lightning_internals.checkpoint_connector(trainer), "resume_start", make)
 
-    def refuses_save(self, filepath: lightning.PathLike, step: int, is_writer: bool) -> bool:
+    def refuses_save(self, filepath: lightning_internals.PathLike, step: int, is_writer: bool) -> bool:
         """Whether a save of a state at committed ``step`` must not be written, because the file's directory holds
         a newer one. The writer warns once and records the refusal."""
         refusal = self.record.refuse_save(filepath, step) if self._group_rank == 0 else None

@@ -20,8 +20,9 @@ is called from one place that does not depend on the order of the trainer's call
 
 Callbacks read the step through the protocol's read-only properties (``quorum_open``, ``decided``,
 ``last_step_committed``) and observe its start with :meth:`StepProtocol.on_step_start`; none of them writes it.
-Semi-synchronous training (LocalSGD, DiLoCo) does not use this class: its optimizer steps are the group's own, and
-its syncs are opened and closed by :class:`~lightning_ft.callbacks.SyncCallback`.
+Semi-synchronous training (LocalSGD, DiLoCo) has the other owner,
+:class:`~lightning_ft.algorithms.sync_owner.SyncOwner`: its optimizer steps are the group's own, and its syncs begin
+and end there. A fit has exactly one of the two.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_ft.heal.state import align_logger_step, align_step_counters, broadcast_state_in_group
+from lightning_ft.heal.state import align_logger_step, align_step_counters, realign_after_the_first_commit
 from lightning_ft.step.gated_optimizer import CommitGatedOptimizer
 from lightning_ft.step.gradient_hooks import FTCommState
 from lightning_ft.step.protocol import StepProtocol
@@ -122,20 +123,10 @@ class StepOwner:
         manager = protocol.manager
         committed = manager.current_step()
         if protocol.decided:
-            if events.enabled():
-                error = manager.errored()
-                events.emit(
-                    "step",
-                    step=committed,
-                    committed=protocol.last_step_committed,
-                    participants=manager.num_participants(),
-                    loss=protocol.step_loss if protocol.step_loss is not None else loss_of(self._output),
-                    **({"error": repr(error.original_exception)} if error is not None else {}),
-                )
-            if protocol.last_step_committed and committed == 1 and trainer.world_size > 1 and not self._sharded:
-                # init_sync healed rank r of this group from the r-th up-to-date group: ranks may differ until now.
-                # (With FSDP each rank holds a different shard; rank r of every group healed from the same group.)
-                broadcast_state_in_group(trainer)
+            if events.enabled():  # the loss is read for the event only (on a GPU, a read is a device sync)
+                loss = protocol.step_loss if protocol.step_loss is not None else loss_of(self._output)
+                protocol.report_step(protocol.last_step_committed, loss=loss)
+            realign_after_the_first_commit(trainer, protocol.last_step_committed, committed, sharded=self._sharded)
         protocol.close()
         self._output = None
         align_step_counters(trainer, committed)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 from torchft import Manager
@@ -320,6 +321,17 @@ class StepProtocol:
         self._last_committed = decision
         if self.telemetry is not None:
             self.telemetry.step_voted(decision)
+
+    def report_step(self, committed: bool | None, **details: Any) -> None:
+        """The ``step`` event of a decided step or sync, its one definition: the Manager's committed step, the
+        decision, the participants, the error that failed it (if any), and what the owner adds (``details``)."""
+        if not events.enabled():
+            return
+        error = self.manager.errored()
+        failure = {"error": repr(error.original_exception)} if error is not None else {}
+        participants = self.manager.num_participants()
+        step = self.manager.current_step()
+        events.emit("step", step=step, committed=committed, participants=participants, **failure, **details)
 
     def release(self) -> None:
         """End an open quorum without a vote: it only had to find out who is there (every group then knows it is

@@ -428,12 +428,12 @@ class FakeTransport:
 def test_the_timed_transport_delegates_and_times_each_receive_once():
     inner = FakeTransport()
     transport = TimedTransport(inner)  # type: ignore[arg-type]
-    assert transport.take_receive_seconds() is None
+    assert transport.take_receive()[0] is None
     assert transport.recv_checkpoint(src_rank=1, metadata="meta", step=7, timeout=timedelta(seconds=1)) == {"step": 7}
     assert inner.calls == ["recv 1 meta 7"] and transport.metadata() == "meta" and transport.extra() == "extra"
-    seconds = transport.take_receive_seconds()
+    seconds = transport.take_receive()[0]
     assert seconds is not None and seconds >= RECEIVE_S  # the receive's own duration, not the time since anything else
-    assert transport.take_receive_seconds() is None
+    assert transport.take_receive()[0] is None
     transport.recv_checkpoint(src_rank=2, metadata="meta", step=8, timeout=timedelta(seconds=1))
     seconds, source = transport.take_receive()
     assert seconds is not None and source == 2  # the sender's replica rank, for the healed event

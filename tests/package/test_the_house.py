@@ -206,3 +206,59 @@ def test_the_tests_mirror_the_package():
     assert library - tests == set(), "library folders without tests"
     assert tests - library - TEST_FOLDERS_BEYOND_THE_LIBRARY == set(), "test folders that mirror nothing"
     assert not list((REPO / "tests").glob("test_*.py")), "a test module outside the folders"
+
+
+# The step's lifecycle on the protocol, and who may drive it: a step (or a sync) begins, ends and is released only in
+# its owner; the vote is taken only by the owner or by what the owner calls for it (the commit-gated optimizer, the
+# semi-synchronous algorithms, whose torchft fragments vote inside their own sync).
+STEP_OWNERS = {"lightning_ft/step/owner.py", "lightning_ft/algorithms/sync_owner.py"}
+VOTE_TAKERS = STEP_OWNERS | {
+    "lightning_ft/step/gated_optimizer.py",
+    "lightning_ft/algorithms/local_sgd.py",
+    "lightning_ft/algorithms/diloco.py",
+}
+
+
+def step_protocol_calls(source: str) -> list[tuple[int, str]]:
+    """``(line, method)`` for each call that begins, ends, releases or votes on a step: ``open_quorum`` on
+    anything; ``close``, ``release``, ``commit`` and ``record_commit`` on an expression that names a protocol."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        method, receiver = node.func.attr, ast.unparse(node.func.value)
+        if method == "open_quorum" or (
+            method in ("close", "release", "commit", "record_commit") and "protocol" in receiver.lower()
+        ):
+            found.append((node.lineno, method))
+    return found
+
+
+def step_lifecycle_outside_its_owners(files: dict[str, str]) -> list[str]:
+    problems = []
+    for name, source in files.items():
+        for line, method in step_protocol_calls(source):
+            allowed = VOTE_TAKERS if method in ("commit", "record_commit") else STEP_OWNERS
+            if name not in allowed:
+                problems.append(f"{name}:{line}: {method}")
+    return problems
+
+
+def test_every_step_begins_and_ends_in_its_one_owner():
+    """Per step or semi-synchronously, a fit's steps have one owner (``StepOwner`` or ``SyncOwner``): nothing else
+    opens, closes or releases a step's quorum, and only the owner or what it calls takes the vote. (A sync section's
+    quorum, for validation or an epoch end, is not a step: it has no vote; ``step/collectives.py`` opens it on the
+    Manager.)"""
+    files = {
+        path.relative_to(REPO).as_posix(): path.read_text()
+        for path in (REPO / "lightning_ft").rglob("*.py")
+        if path.name != "protocol.py"
+    }
+    assert step_lifecycle_outside_its_owners(files) == []
+    # It finds the second owner that semi-synchronous steps had: a callback that opened and closed syncs itself.
+    callback = "def on_train_batch_start(self, trainer):\n    ft_step_protocol(trainer).open_quorum()\n"
+    callback += "    committed = local_sgd_sync(protocol, params)\n    protocol.close()\n"
+    assert step_lifecycle_outside_its_owners({"lightning_ft/callbacks/sync.py": callback}) == [
+        "lightning_ft/callbacks/sync.py:2: open_quorum",
+        "lightning_ft/callbacks/sync.py:4: close",
+    ]

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
+from torchft_groups import reconfigure_without_manager
 
 from lightning_ft.process_group.quorum_store import (
     QuorumStoreGoneError,
@@ -22,7 +23,6 @@ from lightning_ft.process_group.quorum_store import (
     fail_if_store_gone,
     store_host_port,
 )
-from lightning_ft.process_group.torchft_api import reconfigure_without_manager
 
 # The compatibility matrix runs these on every environment (`make compat`).
 pytestmark = pytest.mark.compat
