@@ -128,6 +128,12 @@ def ft_algorithm(trainer: pl.Trainer) -> AlgorithmSettings | None:
     return algorithm if isinstance(algorithm, AlgorithmSettings) else None
 
 
+def ft_data_mode(trainer: pl.Trainer) -> str | None:
+    """``"sharded"`` or ``"exactly_once"``, or ``None`` for a strategy that does not say (sharded, as with DDP)."""
+    mode = getattr(trainer.strategy, "data_mode", None)
+    return mode if isinstance(mode, str) else None
+
+
 def is_semi_sync(trainer: pl.Trainer) -> bool:
     algorithm = ft_algorithm(trainer)
     return algorithm is not None and algorithm.semi_sync

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft import lightning_internals
-from lightning_ft.callbacks._access import ft_manager, ft_step_protocol
+from lightning_ft.callbacks._access import ft_data_mode, ft_manager, ft_step_protocol
 from lightning_ft.data.position import (
     LoopPosition,
     ResumePlan,
@@ -23,6 +23,7 @@ from lightning_ft.data.position import (
 )
 from lightning_ft.heal.checkpoint_mode import healing
 from lightning_ft.loop_patches import LoopPatches
+from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -70,9 +71,15 @@ class DataPositionCallback(Callback):
 
         Raises:
             StrategyRequiredError: The strategy has no torchft Manager or step protocol (not FTStrategy).
+            FTConfigError: The fit's ``data_mode`` is ``"exactly_once"``, whose data callback takes this one's place.
         """
         if stage != "fit":
             return
+        if ft_data_mode(trainer) == "exactly_once":
+            raise FTConfigError(
+                "DataPositionCallback keeps the position of sharded data; with FTStrategy(data_mode='exactly_once') "
+                "ExactlyOnceDataCallback does its job (FTStrategy adds it). Remove DataPositionCallback."
+            )
         self._step_start = self._pending = self._resume = None
         ft_step_protocol(trainer).on_step_start(lambda: self._record_step_start(trainer))
         ft_manager(trainer).register_state_dict_fn(

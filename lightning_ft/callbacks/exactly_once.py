@@ -8,10 +8,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.callbacks._access import ft_exactly_once_data, ft_manager, ft_step_protocol
+from lightning_ft.callbacks._access import ft_data_mode, ft_exactly_once_data, ft_manager, ft_step_protocol
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.position import LoopPosition, align_with_peer
+from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 
 
@@ -33,8 +34,20 @@ class ExactlyOnceDataCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: add Lightning's batch counters to the Manager's heal payload.
+
+        Raises:
+            StrategyRequiredError: The strategy has no torchft Manager (not FTStrategy).
+            FTConfigError: The fit's ``data_mode`` is not ``"exactly_once"`` (sharded data has DataPositionCallback).
+        """
         if stage != "fit":
             return
+        if ft_data_mode(trainer) != "exactly_once":
+            raise FTConfigError(
+                "ExactlyOnceDataCallback works with FTStrategy(data_mode='exactly_once'); this fit's data is sharded, "
+                "whose position DataPositionCallback keeps (FTStrategy adds it). Set data_mode='exactly_once' or "
+                "remove ExactlyOnceDataCallback."
+            )
         ft_manager(trainer).register_state_dict_fn(
             DATA_POSITION_KEY,
             lambda state: self._load_peer_position(trainer, state),

@@ -32,6 +32,7 @@ from torchft import Manager
 from typing_extensions import override
 
 from lightning_ft.heal.http_transport import RefusedPeerStateError
+from lightning_ft.settings import FTConfigError
 from lightning_ft.torch_internals import profiler_enabled
 
 
@@ -74,6 +75,27 @@ class FTManager(Manager):
         self._vetted: int | None = None  # id() of the received state last checked (a reference would pin it)
         self._quorum_observers: list[QuorumObserver] = []
         self._observed_quorum: object = None  # the quorum future last reported to the observers
+
+    @override
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """As torchft's: ``state_dict()`` is sent to a healing peer under ``key``, which loads it with
+        ``load_state_dict``. A key registered twice in one fit is refused with an error naming it: two parts of the
+        fit would heal the same state (a callback given twice, or two that do one job). torchft only asserts.
+
+        Raises:
+            FTConfigError: ``key`` is registered already.
+        """
+        keys: set[str] = self.__dict__.setdefault("_heal_state_keys", set())  # torchft's __init__ may register one
+        if key in keys:
+            raise FTConfigError(
+                f"lightning-ft: two parts of this fit register the heal state {key!r}: a callback is given twice, or "
+                f"two callbacks do one job (DataPositionCallback is for sharded data, ExactlyOnceDataCallback for "
+                f"data_mode='exactly_once'). Keep one."
+            )
+        keys.add(key)
+        super().register_state_dict_fn(key, load_state_dict, state_dict)
 
     def register_heal_check(self, key: str, check: Callable[[Any], Any]) -> None:
         """``check(state)`` raises if the state received under ``key`` must not be loaded into this replica."""

@@ -10,7 +10,6 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from lightning_ft import FTConfigError, JobShard, job_shard
-from lightning_ft.callbacks.disjoint_data import batch_digest, duplicated_groups
 from lightning_ft.data.job_shard import fit_sampler_to_job, forget_job_shard, publish_job_shard
 from lightning_ft_job.environment import ENV_JOB_RANK, ENV_JOB_WORLD_SIZE
 
@@ -69,12 +68,3 @@ def test_job_shard_answers_what_the_strategy_published_and_falls_back_outside_it
         forget_job_shard(before)
     assert ENV_JOB_RANK not in os.environ and os.environ[ENV_JOB_WORLD_SIZE] == "7"
     assert job_shard() == JobShard(0, 1)
-
-
-def test_groups_with_equal_first_batches_at_the_same_rank_are_named():
-    same, other = batch_digest((torch.ones(4), torch.zeros(4))), batch_digest((torch.ones(4), torch.ones(4)))
-    assert same is not None and other is not None and same != other
-    rows = [(0, 0, 1, *same), (1, 0, 1, *same), (2, 0, 1, *other), (0, 1, 1, *other), (1, 1, 1, *same)]
-    assert duplicated_groups(rows) == [(0, 0, 1)]
-    assert duplicated_groups([(0, 0, 0, 0, 0), (1, 0, 0, 0, 0)]) == [], "batches without tensors prove nothing"
-    assert batch_digest({"ids": [1, 2]}) is None

@@ -262,3 +262,21 @@ def test_every_step_begins_and_ends_in_its_one_owner():
         "lightning_ft/callbacks/sync.py:2: open_quorum",
         "lightning_ft/callbacks/sync.py:4: close",
     ]
+
+
+# Callback modules whose test file predates the one-file-per-module rule, named after what they test.
+CALLBACK_TEST_FILES = {"failure_injector": "test_failure_injection.py", "monitor": "test_observability.py"}
+
+
+def test_each_callback_module_has_its_test_file():
+    """Each callback is usable on its own, and tested on its own: ``lightning_ft/callbacks/<m>.py`` has
+    ``tests/callbacks/test_<m>.py`` (``_access.py``: ``test_access.py``)."""
+    wanted = {
+        path.stem: CALLBACK_TEST_FILES.get(path.stem, f"test_{path.stem.lstrip('_')}.py")
+        for path in (REPO / "lightning_ft" / "callbacks").glob("*.py")
+        if path.name != "__init__.py"
+    }
+    missing = sorted(
+        f"{module}: {name}" for module, name in wanted.items() if not (REPO / "tests" / "callbacks" / name).exists()
+    )
+    assert not missing, missing
