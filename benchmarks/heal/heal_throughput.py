@@ -5,7 +5,7 @@ transport's throughput bounds how long the job runs a replica short after a rest
 least 1 GB/s on loopback (1 GB = 1e9 bytes). Transports measured, each as lightning-ft builds it
 (:func:`lightning_ft.manager.checkpoint_transport` for a group that advertises loopback):
 
-* ``http``: :class:`lightning_ft.heal.http_transport.CheckpointHTTPTransport`, torchft's HTTP transport loading with
+* ``http``: :class:`lightning_ft.manager.http_transport.CheckpointHTTPTransport`, torchft's HTTP transport loading with
   ``weights_only=True``, served on 127.0.0.1, unchunked (``num_chunks=0``, as the Manager builds it);
 * ``pg``: torchft's ``PGTransport`` over torchft's reconfigurable Gloo process group
   (:class:`lightning_ft.manager.listeners.AddressedProcessGroupGloo` bound to 127.0.0.1), received into new tensors, as
@@ -79,7 +79,7 @@ class Transports:
     def get(self, kind: str, inplace: dict[str, torch.Tensor] | None = None) -> Any:
         if kind == "http":
             if self._http is None:
-                from lightning_ft.heal.http_transport import CheckpointHTTPTransport
+                from lightning_ft.manager.http_transport import CheckpointHTTPTransport
 
                 self._http = CheckpointHTTPTransport(HOST, timeout=TIMEOUT)
             return self._http

@@ -3,7 +3,7 @@
 When several groups restart together they heal in the same quorum, and torchft's quorum picks each one's source
 (``compute_quorum_results``: round robin over the up-to-date replicas). This benchmark measures what that choice is
 worth: k receivers fetch the same training state at the same moment over lightning-ft's heal transport
-(:class:`lightning_ft.heal.http_transport.CheckpointHTTPTransport` on loopback, as a loopback group builds it),
+(:class:`lightning_ft.manager.http_transport.CheckpointHTTPTransport` on loopback, as a loopback group builds it),
 
 * ``one``: all k from one sender (every heal from group 0, what torchft does when the victims come back in
   different quorums);
@@ -62,7 +62,7 @@ def source_of(layout: str, receiver: int) -> int:
 
 
 def run_sender(index: int, size_bytes: int, plan: list[tuple[str, int, int]], store: torch.distributed.Store) -> None:
-    from lightning_ft.heal.http_transport import CheckpointHTTPTransport
+    from lightning_ft.manager.http_transport import CheckpointHTTPTransport
 
     transport = CheckpointHTTPTransport(HOST, timeout=TIMEOUT)
     try:
@@ -83,7 +83,7 @@ def run_sender(index: int, size_bytes: int, plan: list[tuple[str, int, int]], st
 def run_receiver(
     index: int, size_bytes: int, plan: list[tuple[str, int, int]], store: torch.distributed.Store, result: Path
 ) -> None:
-    from lightning_ft.heal.http_transport import CheckpointHTTPTransport
+    from lightning_ft.manager.http_transport import CheckpointHTTPTransport
 
     transport = CheckpointHTTPTransport(HOST, timeout=TIMEOUT)
     records: list[dict[str, Any]] = []

@@ -8,7 +8,7 @@ One heal, in order (``docs/architecture.md`` draws it):
 * :class:`~lightning_ft.callbacks.StateTransferCallback` registers that state with the Manager;
   :class:`~lightning_ft.callbacks.DataPositionCallback` adds the loop position, which the healing group applies to its
   own shard;
-* :mod:`.http_transport`: how it travels (torchft's HTTP transport, loaded with ``weights_only``, bound to the
-  group's advertised address);
+* :mod:`lightning_ft.manager.http_transport`: how it travels (torchft's HTTP transport, loaded with
+  ``weights_only``, bound to the group's advertised address; beside the Manager, as it subclasses torchft's);
 * :class:`~lightning_ft.manager.FTManager` vets what arrived (keys, shapes) before torchft applies it.
 """

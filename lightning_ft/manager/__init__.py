@@ -10,7 +10,7 @@ torchft upgrade is a diff there. The modules here:
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
 * :mod:`.listeners`: where the Manager's listeners bind (its ManagerServer, the group's store, Gloo's address).
 * :mod:`.telemetry`: the figures of quorum waits and heals (the heal's transport is
-  :mod:`lightning_ft.heal.http_transport`).
+  :mod:`lightning_ft.manager.http_transport`).
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process
   group's vote in process).
 * :mod:`.lighthouse_status`: the one reader of the lighthouse's HTML status page.

@@ -16,7 +16,7 @@ Two more things a healing group must get right, which torchft 0.2.0 leaves to it
 
 * **Loading the peer's state safely.** torchft's HTTP transport unpickles it with ``weights_only=False``, which
   runs whatever code the bytes name, from whichever address the quorum gave. The training state lightning-ft sends
-  is plain data, so :class:`~lightning_ft.heal.http_transport.CheckpointHTTPTransport` loads it with
+  is plain data, so :class:`~lightning_ft.manager.http_transport.CheckpointHTTPTransport` loads it with
   ``weights_only=True``. (The ``pg`` transport
   unpickles only torchft's small metadata record with :mod:`pickle`, over the job's own cross-group process group;
   its tensors arrive as raw bytes. That is torchft's code and is left as it is.)
@@ -49,9 +49,9 @@ from torchft.manager import WorldSizeMode
 from torchft.process_group import ProcessGroup
 
 from lightning_ft.errors import LightningFTError
-from lightning_ft.heal.http_transport import CheckpointHTTPTransport
 from lightning_ft.manager.ft_manager import FTManager
 from lightning_ft.manager.group_claim import GroupClaimCheck
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport
 from lightning_ft.manager.internals import (
     abort_cross_group_process_group,
     install_client,

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from torchft import Manager
 from typing_extensions import override
 
-from lightning_ft.heal.http_transport import RefusedPeerStateError
+from lightning_ft.manager.http_transport import RefusedPeerStateError
 from lightning_ft.settings import FTConfigError
 from lightning_ft.torch_internals import profiler_enabled
 

@@ -6,7 +6,7 @@ ManagerServer (group rank 0; quorum and commit RPCs), and the HTTP checkpoint se
 the ManagerServer and the checkpoint server to every interface, which is wrong for a job that lives on one machine,
 where nothing should be reachable from the network; and Gloo binds to whatever the machine's name resolves to, which
 is wrong for a group that advertises another address (another network namespace, another interface). This module
-handles the store, the ManagerServer and Gloo; :mod:`lightning_ft.heal.http_transport` handles the checkpoint server.
+handles the store, the ManagerServer and Gloo; :mod:`lightning_ft.manager.http_transport` handles the checkpoint server.
 
 The rule here is simple: a group that advertises a loopback address can only be reached from this machine anyway, so
 its listeners bind to that loopback address. Any other advertised address keeps torchft's bind-everything default

@@ -30,8 +30,8 @@ from lightning_ft.checkpoint_io import (
     load_checked,
 )
 from lightning_ft.data.sidecars import sidecar_path, use_own_position
-from lightning_ft.heal.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 from lightning_ft.manager import FTManager
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport, RefusedPeerStateError
 
 pytestmark = pytest.mark.timeout(120)
 

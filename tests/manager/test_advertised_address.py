@@ -22,8 +22,8 @@ from torch.distributed import ReduceOp, TCPStore
 from torchft_groups import reconfigure_without_manager
 
 from lightning_ft import FTStrategy
-from lightning_ft.heal.http_transport import CheckpointHTTPTransport, stop_serving
 from lightning_ft.manager.builder import build_cross_group_process_group, checkpoint_transport
+from lightning_ft.manager.http_transport import CheckpointHTTPTransport, stop_serving
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo
 from lightning_ft.process_group.quorum_store import StoreCheckedProcessGroupGloo, store_host_port
 from lightning_ft.process_group.torchft_api import RECONFIGURE_API, readdressed_handle

@@ -49,23 +49,24 @@ FOREIGN = {
         ("lightning", "lightning_utilities"),
     ),
 }
+
+
 # The seam modules of each package: where its private names may be reached, with their rows in the first one's
 # ``PRIVATE_USES``. Beside the one module of functions: subclasses of a foreign class, whose overrides and inherited
 # attributes cannot be a call (torchft's Manager, HTTPTransport, ProcessGroupGloo; Lightning's DDPStrategy), and the
 # version adapter of torchft's process-group API.
+def _folder(*folders: str) -> tuple[str, ...]:
+    return tuple(sorted(p.relative_to(REPO).as_posix() for f in folders for p in (REPO / f).glob("*.py")))
+
+
+# Where each package's private names may be reached; the first module holds the PRIVATE_USES inventory. torchft's
+# seam is two folders (docs/architecture.md): every module there, and no module elsewhere, whatever it subclasses.
+# Lightning's is its inventory and the strategy, whose private hook overrides can only sit in the subclass itself.
 SEAMS = {
     "torch": ("lightning_ft/torch_internals.py", "lightning_ft/manager/listeners.py"),
     "torchft": (
         "lightning_ft/manager/internals.py",
-        "lightning_ft/manager/ft_manager.py",
-        "lightning_ft/manager/listeners.py",
-        "lightning_ft/process_group/quorum_store.py",
-        "lightning_ft/process_group/torchft_api.py",
-        "lightning_ft/heal/http_transport.py",
-        # The Manager's client, wrapped: each wrapper's _quorum calls the wrapped client's (the Rust extension's).
-        "lightning_ft/manager/group_claim.py",
-        "lightning_ft/manager/lighthouse_outage.py",
-        "lightning_ft/manager/quorum_members.py",
+        *(m for m in _folder("lightning_ft/manager", "lightning_ft/process_group") if not m.endswith("internals.py")),
     ),
     "lightning": ("lightning_ft/lightning_internals.py", "lightning_ft/strategy.py"),
 }

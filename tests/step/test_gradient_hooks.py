@@ -184,7 +184,7 @@ def test_a_healing_group_reads_the_peer_state_once_and_exactly():
 
     from torch.distributed._serialization import _streaming_save
 
-    from lightning_ft.heal.http_transport import streaming_load_once
+    from lightning_ft.manager.http_transport import streaming_load_once
 
     matrix = torch.randn(7, 5)
     state = {
