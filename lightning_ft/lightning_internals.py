@@ -1,46 +1,7 @@
 """Every private Lightning name lightning-ft uses, in one module: what it is, why it is used, and what public API would
-replace it. Lightning is pinned ``<2.7``; a Lightning upgrade is a diff here (``tests/package/test_the_house.py`` keeps
-private Lightning names out of every other module).
-
-========================================== ============================================ ===============================
-Private name                               Why                                          Public API that would remove it
-========================================== ============================================ ===============================
-``fabric.utilities.types._PATH``           the type of a checkpoint path argument       a public path type alias
-``cloud_io._is_local_file_protocol``,      write checkpoints and sidecars atomically,   public fsspec helpers
-``_atomic_save``, ``_load``                on local disks and fsspec filesystems alike
-``fabric.utilities.data._set_sampler_epoch`` set the epoch on a replaced sampler as the a public helper
-                                           fit loop does at epoch start
-``loops.fetchers._DataFetcher``,           where the fit loop's data position lives     a data-position API on the fit
-``_DataLoaderIterDataFetcher``,            (fetched, done; exactly-once resume)         loop
-``FitLoop._data_fetcher``,
-``._combined_loader``
-``loops.progress._BatchProgress``          the batch counters a position is restored to the same
-``_TrainingEpochLoop._should_accumulate``  a batch without an optimizer step holds no   an ``accumulating`` property
-                                           vote (the consistency check)
-``._batches_that_stepped``                 the step Lightning logs at, aligned to the   a settable logging step
-                                           committed step after a heal
-``Trainer._logger_connector``              whether this batch's metrics are logged      ``trainer.should_log``
-``Trainer._checkpoint_connector``          wrap ``resume_start`` to choose the start    a resume hook on the strategy
-                                           checkpoint (:mod:`lightning_ft.start`)
-``_CheckpointConnector.dump_checkpoint``,  a heal is Lightning's checkpoint: built and  an in-memory save and restore
-``restore_model``, ``restore_datamodule``, restored by Lightning's own code, hooks      (``Trainer.dump_checkpoint``,
-``restore_callbacks``, ``restore_precision included, in memory (:mod:`lightning_ft.    ``Trainer.restore(checkpoint)``)
-_plugin_state``, ``restore_optimizers_and_ heal.state``)
-schedulers``, ``._loaded_checkpoint``
-``ModelPruning._make_pruning_permanent``   off while a heal builds its checkpoint: the  a ``make_pruning_permanent``
-                                           heal carries the masks the group trains with argument settable per save
-``LightningModule._on_before_batch_transfer`` the user's batch hook, run where the       a public hook runner
-                                           exactly-once batch is checked
-``LightningModule._device_mesh``           FSDP2's group mesh, as ModelParallelStrategy a settable ``device_mesh``
-                                           sets it
-``Trainer._val_check_time_interval``         a validation cadence given as a duration     a public
-                                           (compared, refused across groups)            ``val_check_interval``
-``ModelCheckpoint._enable_version_counter`` one file name per step across replica      the ``enable_version_counter``
-                                           groups                                       argument, settable
-``overrides.distributed._sync_module_states``, FSDP2 setup as Lightning's strategies do  public setup helpers
-``optimizer._optimizers_to_device``,       (the layer sync is ``SyncBatchNorm``'s)      (a ``layer_sync`` property)
-``ParallelStrategy._layer_sync``
-========================================== ============================================ ===============================
+replace it, one row per name in :data:`PRIVATE_USES`, the one inventory. Lightning is pinned ``<2.7``; a Lightning
+upgrade is a diff here and in ``strategy.py``, whose overrides of private hooks can only sit in the subclass
+(``tests/package/test_seams.py`` keeps private Lightning names out of every other module, and every one in its row).
 
 The loop patches that replace Lightning methods are in :mod:`lightning_ft.loop_patches`.
 """

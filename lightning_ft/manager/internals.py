@@ -55,10 +55,8 @@ from torchft.process_group import ProcessGroup
 
 from lightning_ft.process_group.left_behind import LeftBehindWatch
 
-# Every private torchft name lightning-ft reaches, here and in the other torchft seam modules (ft_manager.py,
-# listeners.py, process_group/quorum_store.py and torchft_api.py, manager/http_transport.py), one row each: why; the
-# upstream hook that would remove it (the table of ``lightning_ft.manager``'s docstring says more). Checked by
-# ``tests/package/test_seams.py``.
+# Every private torchft name lightning-ft reaches, here and in the other modules of the torchft seam (manager/ and
+# process_group/), one row each: why; the upstream hook that would remove it. The one inventory: checked by ``tests/package/test_seams.py``.
 PRIVATE_USES = {
     "_torchft": "torchft's Rust extension, for a second ManagerClient; a public ManagerClient",
     "_pg": "the Manager's cross-group process group; an accessor for it",
