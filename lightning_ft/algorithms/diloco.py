@@ -102,18 +102,15 @@ class DiLoCoSync:
         """Which fragment the next sync is for: torchft's rule, from the Manager step that every group shares."""
         return self._manager.current_step() % len(diloco_fragments(self._diloco))
 
-    def join_at_start(self, protocol: StepProtocol) -> bool:
+    def barrier_before_the_first_vote(self) -> None:
         """The job's first sync: every group is here at Manager step 0, and the quorum's ``init_sync`` made their
-        parameters identical. Nothing to average; the backups are reset to the (now common) parameters."""
-        # A barrier before the vote. A group that heals here fetches its state from a peer's checkpoint server,
-        # which torchft closes at that peer's vote (Manager.should_commit: disallow_checkpoint). Every other sync
-        # allreduces before voting, which holds the peers until the healing group is done; this one has nothing to
-        # average, so without the barrier the source votes at once and the fetch waits out the whole timeout, fails,
-        # and the group only heals at the next sync, its first window of inner steps thrown away.
+        parameters identical, so there is nothing to average; a 4-byte allreduce holds the groups together before the
+        vote all the same. A group that heals here fetches its state from a peer's checkpoint server, which torchft
+        closes at that peer's vote (Manager.should_commit: disallow_checkpoint). Every other sync allreduces before
+        voting, which holds the peers until the healing group is done; without this barrier the source would vote at
+        once and the fetch wait out the whole timeout, fail, and the group heal only at the next sync, its first window
+        of inner steps thrown away. After the vote, :meth:`reset_global_parameters`."""
         self._manager.allreduce(torch.zeros(1, device=self._device)).wait()
-        committed = protocol.commit()
-        self.reset_global_parameters()
-        return committed
 
     def reset_global_parameters(self) -> None:
         """Take the current parameters as the global ones (after the ranks of a group were re-aligned, too)."""

@@ -1,7 +1,8 @@
 """LocalSGD's sync: average the parameters of every participating replica group, keep them only if the sync commits.
 
 This is torchft's ``LocalSGD.sync()`` (``torchft/local_sgd.py``) with one difference: the quorum and the commit vote
-go through lightning-ft's :class:`~lightning_ft.step.protocol.StepProtocol` instead of calling the Manager directly,
+are the sync owner's (:class:`~lightning_ft.algorithms.sync_owner.SyncOwner`), through lightning-ft's
+:class:`~lightning_ft.step.protocol.StepProtocol`, instead of calls on the Manager,
 so that the rest of lightning-ft (cross-group collectives, the data position, the checkpoint writer) knows a sync is in
 progress and how it ended. torchft's class cannot be reused as is: it triggers itself from an optimizer post-hook
 with an inner-step counter that is not part of any state dict, so a restarted group would sync at other steps than
@@ -18,8 +19,6 @@ from torch.distributed.tensor import DTensor
 from torchft import Manager
 from torchft.local_sgd import extract_local_tensor
 
-from lightning_ft.step.protocol import StepProtocol
-
 
 def average_parameters(manager: Manager, params: list[Tensor]) -> list[Tensor]:
     """Copies of ``params`` averaged over the participating groups. All allreduces are issued before any wait, in
@@ -32,7 +31,8 @@ def average_parameters(manager: Manager, params: list[Tensor]) -> list[Tensor]:
 
 
 @torch.no_grad()
-def _copy_into(params: Iterable[Tensor], values: Iterable[Tensor]) -> None:
+def take_parameters(params: Iterable[Tensor], values: Iterable[Tensor]) -> None:
+    """Copy ``values`` (from :func:`average_parameters`) into ``params``: a committed sync's result."""
     for param, value in zip(params, values, strict=True):
         if isinstance(param, DTensor):
             param.data.copy_(
@@ -40,17 +40,3 @@ def _copy_into(params: Iterable[Tensor], values: Iterable[Tensor]) -> None:
             )
         else:
             param.data.copy_(value)
-
-
-def local_sgd_sync(protocol: StepProtocol, params: list[Tensor]) -> bool:
-    """One sync on the open quorum (a group that is behind healed while it opened, with synchronous quorum):
-    average, vote, apply.
-
-    A sync that does not commit leaves every group with its own local parameters, as torchft's LocalSGD does; the
-    inner steps are not rolled back. Returns whether it committed.
-    """
-    averaged = average_parameters(protocol.manager, params)
-    committed = protocol.commit()
-    if committed:
-        _copy_into(params, averaged)
-    return committed

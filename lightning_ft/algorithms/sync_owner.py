@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 from lightning_ft import lightning_internals
 from lightning_ft.algorithms.config import AlgorithmSettings
 from lightning_ft.algorithms.diloco import DiLoCoSync
-from lightning_ft.algorithms.local_sgd import local_sgd_sync
+from lightning_ft.algorithms.local_sgd import average_parameters, take_parameters
 from lightning_ft.algorithms.schedule import SyncSchedule
 from lightning_ft.errors import LightningFTError
 from lightning_ft.heal.state import align_logger_step, align_step_counters, realign_after_the_first_commit
@@ -237,12 +237,18 @@ class SyncOwner:
         manager = protocol.manager
         protocol.end_overlapped_sync()
         try:
-            if self._diloco is None:
-                committed = local_sgd_sync(protocol, list(trainer.lightning_module.parameters()))
-            elif self._in_flight is not None:
+            if self._diloco is None:  # LocalSGD: average, vote, keep the average only on a commit
+                params = list(trainer.lightning_module.parameters())
+                averaged = average_parameters(manager, params)
+                committed = protocol.commit()
+                if committed:
+                    take_parameters(params, averaged)
+            elif self._in_flight is not None:  # DiLoCo: torchft's fragment votes inside its sync
                 committed = self._diloco.perform(protocol, self._in_flight)
             elif self._reason == "join" and manager.current_step() == 0:
-                committed = self._diloco.join_at_start(protocol)
+                self._diloco.barrier_before_the_first_vote()
+                committed = protocol.commit()
+                self._diloco.reset_global_parameters()
             else:
                 committed = self._diloco.sync(protocol)
         finally:

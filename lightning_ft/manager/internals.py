@@ -56,7 +56,8 @@ from torchft.process_group import ProcessGroup
 from lightning_ft.process_group.left_behind import LeftBehindWatch
 
 # Every private torchft name lightning-ft reaches, here and in the other modules of the torchft seam (manager/ and
-# process_group/), one row each: why; the upstream hook that would remove it. The one inventory: checked by ``tests/package/test_seams.py``.
+# process_group/), one row each: why; the upstream hook that would remove it. The one inventory, which
+# ``tests/package/test_seams.py`` keeps exact.
 PRIVATE_USES = {
     "_torchft": "torchft's Rust extension, for a second ManagerClient; a public ManagerClient",
     "_pg": "the Manager's cross-group process group; an accessor for it",

@@ -209,14 +209,11 @@ def test_the_tests_mirror_the_package():
 
 
 # The step's lifecycle on the protocol, and who may drive it: a step (or a sync) begins, ends and is released only in
-# its owner; the vote is taken only by the owner or by what the owner calls for it (the commit-gated optimizer, the
-# semi-synchronous algorithms, whose torchft fragments vote inside their own sync).
+# its owner; the vote is taken only by the owner or by what the owner calls for it (the commit-gated optimizer, which
+# Lightning's optimizer step reaches through the precision plugin; DiLoCo's sync, whose torchft fragment votes inside
+# its own perform_sync and is recorded).
 STEP_OWNERS = {"lightning_ft/step/owner.py", "lightning_ft/algorithms/sync_owner.py"}
-VOTE_TAKERS = STEP_OWNERS | {
-    "lightning_ft/step/gated_optimizer.py",
-    "lightning_ft/algorithms/local_sgd.py",
-    "lightning_ft/algorithms/diloco.py",
-}
+VOTE_TAKERS = STEP_OWNERS | {"lightning_ft/step/gated_optimizer.py", "lightning_ft/algorithms/diloco.py"}
 
 
 def step_protocol_calls(source: str) -> list[tuple[int, str]]:
@@ -257,9 +254,10 @@ def test_every_step_begins_and_ends_in_its_one_owner():
     assert step_lifecycle_outside_its_owners(files) == []
     # It finds the second owner that semi-synchronous steps had: a callback that opened and closed syncs itself.
     callback = "def on_train_batch_start(self, trainer):\n    ft_step_protocol(trainer).open_quorum()\n"
-    callback += "    committed = local_sgd_sync(protocol, params)\n    protocol.close()\n"
+    callback += "    committed = protocol.commit()\n    protocol.close()\n"
     assert step_lifecycle_outside_its_owners({"lightning_ft/callbacks/sync.py": callback}) == [
         "lightning_ft/callbacks/sync.py:2: open_quorum",
+        "lightning_ft/callbacks/sync.py:3: commit",
         "lightning_ft/callbacks/sync.py:4: close",
     ]
 
