@@ -7,7 +7,9 @@ accumulation 1 or 4: ``ddp`` is ``torchrun --nproc-per-node 2`` with ``DDPStrate
 time between optimizer steps after a warm-up, averaged over its two processes; a repetition's ratio is its ``ft`` run
 ÷ its ``ddp`` run (run back to back, the order alternating), and a model's verdict is the median of those ratios over
 every repetition of every kept run (``benchmarks/results/zoo/``, but runs of ``--processes`` other than 2, labelled
-``<N>-process``). The fixed cost is ``ft - ddp`` in milliseconds. Usage::
+``<N>-process``). The fixed cost is ``ft - ddp`` in milliseconds. Each run also samples the job's CPU seconds per step,
+every process of it, the launcher and its lighthouse included (:mod:`benchmarks.common.job_cpu`): on 2 cores wall time
+hides what a thread beside training costs. Usage::
 
     python -m benchmarks.zoo.zoo                    # every model, accumulation 1 and 4, 3 repetitions (~35 min)
     python -m benchmarks.zoo.zoo --models mlp-0.3m --accumulate 1 --repeats 1
@@ -27,8 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.job_cpu import cpu_per_step, run_job_sampling_cpu
 from benchmarks.common.results import RESULTS, every, header, new_results_file
-from benchmarks.common.run_util import LIGHTNING_FT, REPO, median, run_job
+from benchmarks.common.run_util import LIGHTNING_FT, REPO, median
 from benchmarks.zoo.zoo_models import ZOO, parameter_count
 
 # About how long one step of each model takes on one core here (one process, no exchange), to size a run's length.
@@ -77,17 +80,21 @@ def measure(
     steps, warmup = steps_for(model, accumulate)
     root = scratch / f"{model}-{accumulate}-{mode}-{rep}"
     load = os.getloadavg()[0]
-    code = run_job(command(mode, model, accumulate, steps, root, processes), root / "job.log", timeout=600)
+    job = command(mode, model, accumulate, steps, root, processes)
+    code, cpu_samples = run_job_sampling_cpu(job, root / "job.log", timeout=600)
     files = sorted(root.glob("steps.*.json"))
     if code != 0 or len(files) != processes:
         raise RuntimeError(f"{mode}/{model} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     medians = []
     paths: dict[str, list[float]] = {}
+    cpu: float | None = None
     for path in files:
         record = json.loads(path.read_text())
         if record["global_step"] != steps:
             raise RuntimeError(f"{mode}/{model}: reached step {record['global_step']}, not {steps}")
         medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
+        if cpu is None:  # the first process's steps count the job's: every process takes each committed step
+            cpu = cpu_per_step(cpu_samples, record["step_ends"], warmup)
         for name in ("optimizer_ends", "vote_ends"):
             gap = to_next_forward(record.get(name, [])[warmup:], record.get("forward_starts", []))
             if gap is not None:
@@ -95,13 +102,18 @@ def measure(
     step = sum(medians) / len(medians)
     critical = {f"{name[:-5]}_to_forward_ms": 1000 * sum(gaps) / len(gaps) for name, gaps in paths.items()}
     shown = "  ".join(f"{name} {value:.3f}" for name, value in critical.items())
-    print(f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step  {shown}", flush=True)
+    cpu_ms = f"  job CPU {cpu * 1000:7.2f} ms/step" if cpu is not None else ""
+    print(
+        f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step{cpu_ms}  {shown}", flush=True
+    )
     return {
         "mode": mode,
         "model": model,
         "accumulate": accumulate,
         "rep": rep,
         "step_s": step,
+        # the job's CPU seconds per step, every process of it (launcher, lighthouse, agents, training processes)
+        "job_cpu_per_step_s": cpu,
         "loadavg_1m": load,
         "processes": processes,
         **critical,
@@ -122,13 +134,22 @@ def to_next_forward(ends: list[float], forward_starts: list[float]) -> float | N
 def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (model, accumulation) over every file's runs: each repetition's ``ft`` ÷ ``ddp`` and the median."""
     pairs: dict[tuple[str, int], list[tuple[float, float, str]]] = {}
+    cpu_ratios: dict[tuple[str, int], list[float]] = {}
     for name, runs in runs_by_file.items():
         by_rep: dict[tuple[str, int, int], dict[str, float]] = {}
+        cpu_by_rep: dict[tuple[str, int, int], dict[str, float]] = {}
         for run in runs:
             by_rep.setdefault((run["model"], run["accumulate"], run["rep"]), {})[run["mode"]] = run["step_s"]
+            if run.get("job_cpu_per_step_s"):  # runs before 2026-11-30 did not sample the job's CPU
+                cpu_by_rep.setdefault((run["model"], run["accumulate"], run["rep"]), {})[run["mode"]] = run[
+                    "job_cpu_per_step_s"
+                ]
         for (model, accumulate, _), steps in sorted(by_rep.items()):
             if "ddp" in steps and "ft" in steps:
                 pairs.setdefault((model, accumulate), []).append((steps["ddp"], steps["ft"], name))
+        for (model, accumulate, _), cpus in sorted(cpu_by_rep.items()):
+            if "ddp" in cpus and "ft" in cpus:
+                cpu_ratios.setdefault((model, accumulate), []).append(cpus["ft"] / cpus["ddp"])
     rows = []
     for (model, accumulate), found in sorted(pairs.items(), key=lambda kv: (list(ZOO).index(kv[0][0]), kv[0][1])):
         ratios = [ft / ddp for ddp, ft, _ in found]
@@ -147,6 +168,11 @@ def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
                 "ratio_worst": max(ratios),
                 "ratios": [round(r, 3) for r in ratios],
                 "goal": 1.02 if ddp_ms >= 100 else 1.05 if ddp_ms >= 10 else None,
+                # the job's CPU seconds per step, ft ÷ ddp per repetition (repetitions that sampled it)
+                "cpu_ratios": [round(r, 3) for r in cpu_ratios.get((model, accumulate), [])],
+                "cpu_ratio_median": median(cpu_ratios[(model, accumulate)])
+                if (model, accumulate) in cpu_ratios
+                else None,
             }
         )
     return rows
@@ -155,16 +181,18 @@ def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | parameters | accumulation | `DDPStrategy` step | `FTStrategy` step | fixed cost | ratio, median | "
-        "ratio, worst | repetitions | goal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ratio, worst | job CPU per step, ratio | repetitions | goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         goal = row["goal"]
         verdict = "—" if goal is None else f"≤ {goal:.2f}×: {'met' if row['ratio_median'] <= goal else 'not met'}"
+        cpu_ratio = row.get("cpu_ratio_median")
+        cpu = "—" if cpu_ratio is None else f"{cpu_ratio:.3f}× ({len(row['cpu_ratios'])})"
         lines.append(
             f"| {row['model']} | {row['parameters'] / 1e6:.2f} M | {row['accumulate']} | {row['ddp_ms']:.1f} ms | "
             f"{row['ft_ms']:.1f} ms | {row['fixed_cost_ms']:+.1f} ms | {row['ratio_median']:.3f}× | "
-            f"{row['ratio_worst']:.3f}× | {row['repetitions']} ({row['runs']} runs) | {verdict} |"
+            f"{row['ratio_worst']:.3f}× | {cpu} | {row['repetitions']} ({row['runs']} runs) | {verdict} |"
         )
     return "\n".join(lines)
 
