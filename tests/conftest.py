@@ -72,3 +72,10 @@ def _event_log_off_unless_asked_for() -> Iterator[None]:
         os.environ.pop(ENV_EVENTS_DIR, None)
     else:
         os.environ[ENV_EVENTS_DIR] = previous
+
+
+@pytest.fixture
+def one_group_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No replica-group variables from the calling shell: a fit is one group with its own embedded lighthouse."""
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)

@@ -34,9 +34,8 @@ def test_an_optional_part_under_another_strategy_is_absent(accessor, value):
     assert getattr(_access, accessor)(make_trainer(strategy="auto")) is value
 
 
-def test_ftstrategy_before_its_fit_has_settings_but_no_manager(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+@pytest.mark.usefixtures("one_group_environment")
+def test_ftstrategy_before_its_fit_has_settings_but_no_manager():
     trainer = make_trainer(FTStrategy(algorithm="local_sgd", sync_every=2))
     assert _access.ft_settings(trainer) is trainer.strategy.settings
     assert _access.is_semi_sync(trainer)

@@ -10,13 +10,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ft import FTConfigError, FTStrategy, ReplicaConsistencyCheck
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 @pytest.mark.parametrize(

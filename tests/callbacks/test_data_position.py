@@ -13,15 +13,8 @@ from lightning_ft import FTStrategy
 from lightning_ft.callbacks import DataPositionCallback
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
 from lightning_ft.errors import StrategyRequiredError
-from lightning_ft.manager import FTManager
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 class SentPositions(pl.Callback):
@@ -32,20 +25,13 @@ class SentPositions(pl.Callback):
         self.sent: list[dict] = []
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        _, save = self.registered[DATA_POSITION_KEY]
+        _, save = self.registered[DATA_POSITION_KEY][-1]
         self.sent.append(save())
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_payload_carries_the_position_at_the_steps_start(tmp_path, monkeypatch, accumulate):
-    registered: dict = {}
-    register = FTManager.register_state_dict_fn
-
-    def recording(self, key, load, save):
-        registered[key] = (load, save)
-        return register(self, key, load, save)
-
-    monkeypatch.setattr(FTManager, "register_state_dict_fn", recording)
+def test_the_payload_carries_the_position_at_the_steps_start(tmp_path, registered_heal_states, accumulate):
+    registered = registered_heal_states
     sent = SentPositions(registered)
     batches = len(loader())  # 64 batches an epoch
     trainer = make_trainer(

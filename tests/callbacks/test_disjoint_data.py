@@ -60,9 +60,8 @@ class FirstBatchIsGathered(pl.Callback):
         collectives.all_gather = counted
 
 
-def test_a_one_group_fit_settles_without_a_collective_or_a_warning(tmp_path, monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+@pytest.mark.usefixtures("one_group_environment")
+def test_a_one_group_fit_settles_without_a_collective_or_a_warning(tmp_path):
     check, gathers = DisjointDataCheck(), FirstBatchIsGathered()
     trainer = make_trainer(
         FTStrategy(timeout=20, quorum_timeout=20), [check, gathers], max_steps=3, default_root_dir=tmp_path

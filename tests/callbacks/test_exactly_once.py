@@ -14,13 +14,7 @@ from lightning_ft import FTConfigError, FTStrategy
 from lightning_ft.callbacks import DataPositionCallback, ExactlyOnceDataCallback
 from lightning_ft_job.events import ENV_EVENTS_DIR, read_events
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 def fit(tmp_path, monkeypatch, data_mode: str, samples: int, batch_size: int, epochs: int):

@@ -11,13 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_ft import FTStrategy
 from lightning_ft.callbacks import ManagerCheckpointCallback
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 def test_the_checkpoint_holds_the_managers_step_and_a_resume_continues_from_it(tmp_path):

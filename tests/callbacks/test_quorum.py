@@ -11,13 +11,7 @@ from lightning_ft import FTStrategy
 from lightning_ft.callbacks import QuorumCallback
 from lightning_ft.errors import StrategyRequiredError
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 class SeesTheStep(pl.Callback):

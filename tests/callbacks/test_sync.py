@@ -15,13 +15,7 @@ from lightning_ft.callbacks import SyncCallback
 from lightning_ft.errors import StrategyRequiredError
 from lightning_ft_job.events import ENV_EVENTS_DIR, read_events
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 class TwoLayers(BoringModel):

@@ -15,15 +15,8 @@ from lightning_ft import FTConfigError, FTStrategy
 from lightning_ft.callbacks import StateTransferCallback
 from lightning_ft.errors import StrategyRequiredError
 from lightning_ft.heal.state import STATE_KEY
-from lightning_ft.manager import FTManager
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _single_group(monkeypatch):
-    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_group_environment")]
 
 
 class HealsItselfAtTheEnd(pl.Callback):
@@ -54,15 +47,8 @@ def _copy(value):
     return torch.utils._pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
-def test_the_registered_state_puts_a_changed_replica_back(tmp_path, monkeypatch):
-    registered: dict[str, list] = {}
-    register = FTManager.register_state_dict_fn
-
-    def recording(self, key, load, save):
-        registered.setdefault(key, []).append((load, save))
-        return register(self, key, load, save)
-
-    monkeypatch.setattr(FTManager, "register_state_dict_fn", recording)
+def test_the_registered_state_puts_a_changed_replica_back(tmp_path, registered_heal_states):
+    registered = registered_heal_states
     heals = HealsItselfAtTheEnd(registered)
     trainer = make_trainer(
         FTStrategy(timeout=20, quorum_timeout=20),
