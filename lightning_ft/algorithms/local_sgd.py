@@ -11,7 +11,7 @@ its peers (see ``docs/semi-sync.md``). Its tensor helper is reused, so DTensor p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from torchft import Manager
 from torchft.local_sgd import extract_local_tensor
 
 
-def average_parameters(manager: Manager, params: list[Tensor]) -> list[Tensor]:
+def average_parameters(manager: Manager, params: Sequence[Tensor]) -> list[Tensor]:
     """Copies of ``params`` averaged over the participating groups. All allreduces are issued before any wait, in
     parameter order, which every group shares."""
     averaged = [extract_local_tensor(p.data) for p in params]
