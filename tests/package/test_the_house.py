@@ -262,8 +262,14 @@ def test_every_step_begins_and_ends_in_its_one_owner():
     ]
 
 
-# Callback modules whose test file predates the one-file-per-module rule, named after what they test.
-CALLBACK_TEST_FILES = {"failure_injector": "test_failure_injection.py", "monitor": "test_observability.py"}
+# Callback modules whose test file is named otherwise: two predate the one-file-per-module rule, and two share their
+# module's name with a test file of tests/data/ (test module names are unique across the tests: see below).
+CALLBACK_TEST_FILES = {
+    "failure_injector": "test_failure_injection.py",
+    "monitor": "test_observability.py",
+    "data_position": "test_data_position_callback.py",
+    "exactly_once": "test_exactly_once_callback.py",
+}
 
 
 def test_each_callback_module_has_its_test_file():
@@ -278,3 +284,10 @@ def test_each_callback_module_has_its_test_file():
         f"{module}: {name}" for module, name in wanted.items() if not (REPO / "tests" / "callbacks" / name).exists()
     )
     assert not missing, missing
+
+
+def test_no_test_module_name_appears_twice():
+    """Every test folder is on ``sys.path`` and pytest imports each test file by its bare name (tests/conftest.py):
+    two files of one name in two folders fail the collection of both, and of any file that imports one of them."""
+    names = [path.name for path in (REPO / "tests").rglob("*.py") if path.name not in ("conftest.py", "__init__.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
