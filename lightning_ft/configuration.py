@@ -89,12 +89,6 @@ def resolve_configuration(arguments: Mapping[str, Any], ddp_kwargs: Mapping[str,
     )
 
 
-#: The concept modules' resolvers, each taking the arguments its signature names; with the three names read here,
-#: they cover every FTStrategy argument (tests/strategy/test_settings.py checks that none is left unread).
-RESOLVERS: tuple[Callable[..., Any], ...] = (resolve_settings, resolve_algorithm, resolve_data_parallel)
-READ_HERE = ("data_mode", "gradient_as_bucket_view", "find_unused_parameters")
-
-
 def taken_by(resolver: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """The arguments ``resolver`` takes, by the names of its parameters."""
     return {name: values[name] for name in inspect.signature(resolver).parameters if name in values}

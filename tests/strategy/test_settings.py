@@ -199,16 +199,27 @@ def test_lightning_cli_refuses_a_choice_the_setting_does_not_have():
         parser.parse_args(["--strategy.algorithm", "dilocco"])
 
 
+def _resolvers():
+    """The concept modules' resolvers that lightning_ft.configuration hands the arguments to, by their names."""
+    from lightning_ft.algorithms import resolve_algorithm
+    from lightning_ft.hsdp.data_parallel import resolve_data_parallel
+    from lightning_ft.settings import resolve_settings
+
+    return (resolve_settings, resolve_algorithm, resolve_data_parallel)
+
+
+# The arguments lightning_ft.configuration reads itself, not through a resolver.
+READ_IN_CONFIGURATION = ("data_mode", "gradient_as_bucket_view", "find_unused_parameters")
+
+
 def unread_arguments(arguments: list[str]) -> list[str]:
     """The FTStrategy arguments that no resolver of lightning_ft.configuration, nor DDPStrategy, reads."""
     import inspect
 
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_ft.configuration import READ_HERE, RESOLVERS
-
-    read = set(READ_HERE) | set(inspect.signature(DDPStrategy.__init__).parameters)
-    for resolver in RESOLVERS:
+    read = set(READ_IN_CONFIGURATION) | set(inspect.signature(DDPStrategy.__init__).parameters)
+    for resolver in _resolvers():
         read |= set(inspect.signature(resolver).parameters)
     return [name for name in arguments if name not in read]
 
@@ -219,11 +230,10 @@ def test_each_argument_is_defined_once_by_the_signature_and_read_by_its_concept(
     reads would be accepted and ignored; the check finds a made-up one)."""
     import inspect
 
-    from lightning_ft.configuration import RESOLVERS
     from lightning_ft.strategy_arguments import OWN_ARGUMENTS
 
     assert unread_arguments(list(OWN_ARGUMENTS)) == []
     assert unread_arguments([*OWN_ARGUMENTS, "made_up_argument"]) == ["made_up_argument"]
-    for resolver in RESOLVERS:
+    for resolver in _resolvers():
         defaults = [p.name for p in inspect.signature(resolver).parameters.values() if p.default is not p.empty]
         assert defaults == [], (resolver.__name__, defaults)
