@@ -29,6 +29,14 @@ _FSDP2_NAMES = {
     "offload_policy": "fsdp_cpu_offload",
 }
 
+# DDP's bucket size when the user sets none: torch's own default, passed explicitly. Each DDP bucket is one cross-group
+# collective per step. Left unset, torch gives its first bucket a 1-MiB cap instead (so that the first allreduce
+# starts early in the backward pass): a model of 1 to 25 MiB of gradients then makes two cross-group collectives per
+# step instead of one, and every larger one an extra collective. A cross-group collective costs more than the memory
+# it moves at that size (the quorum check, the process group's watch, a round trip between groups), so FTStrategy
+# asks torch for 25 MiB in every bucket; torch applies an explicit cap to the first bucket too.
+DEFAULT_BUCKET_CAP_MB = 25
+
 # DDP settings that FTStrategy replaces with its own cross-group comm hook.
 _COMM_HOOK_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -75,6 +83,8 @@ def resolve_configuration(arguments: Mapping[str, Any], ddp_kwargs: Mapping[str,
     if not parallel.sharded:
         _check_ddp_kwargs(find_unused_parameters, passed_on)
         passed_on["gradient_as_bucket_view"] = values["gradient_as_bucket_view"]
+        if passed_on.get("bucket_cap_mb") is None:
+            passed_on["bucket_cap_mb"] = DEFAULT_BUCKET_CAP_MB
     chosen = resolve_algorithm(**taken_by(resolve_algorithm, values))
     settings = resolve_settings(**taken_by(resolve_settings, values))
     # FTStrategy's default is the search: one bucket layout in every group (lightning_ft.step.unused_parameter_note).

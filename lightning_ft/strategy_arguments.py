@@ -154,7 +154,9 @@ class FTStrategyArguments(DDPStrategy):
         checkpoint_io: As ``DDPStrategy``'s. Default: crash-safe local writes (temporary file, fsync, rename).
         precision_plugin: As ``DDPStrategy``'s (Lightning sets it from ``precision``).
         process_group_backend: As ``DDPStrategy``'s: the backend inside the group (cross-group: ``process_group``).
-        **kwargs: Passed on to ``DDPStrategy`` and torch's ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``). A
+        **kwargs: Passed on to ``DDPStrategy`` and torch's ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
+            25 unless set: torch's size, for the first bucket too, where torch's own default caps it at 1 MiB; each
+            bucket crosses groups as one collective per step, so a model under 25 MiB makes one). A
             name that neither they nor FTStrategy accepts fails at construction, before anything starts, with an
             ``FTConfigError`` naming the nearest valid names (``replica_groups`` → ``num_replica_groups``; FSDP2's
             ``mp_policy`` → ``fsdp_mixed_precision``). With ``data_parallel="fsdp"`` only ``start_method`` (DDP

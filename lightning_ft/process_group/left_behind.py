@@ -85,17 +85,21 @@ class WatchedWork(dist.Work):
         super().__init__()
         self._work = work  # the real operation, kept alive until it ends
         self._future = future
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for the operation (or its give-up); raises its error, or :class:`CollectiveLeftBehindError`. With
-        ``timeout``, raises ``TimeoutError`` once it has passed, as a backend's own ``wait(timeout)`` does."""
-        if timeout is not None and not self._done.wait(timeout.total_seconds()):
-            raise CrossGroupTimeoutError(f"lightning-ft: a cross-group operation did not complete within {timeout}")
+        ``timeout``, raises ``TimeoutError`` once it has passed, as a backend's own ``wait(timeout)`` does.
+
+        The event a timed wait needs is made here, not with the operation: the gradient hooks take the future and
+        never wait, and every object and callback made per operation is paid once per gradient bucket."""
+        if timeout is not None:
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())  # runs at once on a completed future
+            if not done.wait(timeout.total_seconds()):
+                raise CrossGroupTimeoutError(f"lightning-ft: a cross-group operation did not complete within {timeout}")
         self._future.wait()
         return True
 

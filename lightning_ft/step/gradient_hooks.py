@@ -63,6 +63,9 @@ class FTCommState:
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
     checked_buckets: int = 0
+    # Cross-group collectives launched for the current step (the ``step`` event's ``cross_group_collectives``): one per
+    # DDP bucket, so it shows the bucket layout that crosses groups (``configuration.DEFAULT_BUCKET_CAP_MB``).
+    collectives_launched: int = 0
     _non_finite_flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def average_in_place(self, buffer: torch.Tensor, divisor: int) -> None:
@@ -77,6 +80,11 @@ class FTCommState:
         reciprocal = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=buffer.device)
         non_finite_check_and_unscale([buffer], flag, reciprocal)
         self.checked_buckets += 1
+
+    def take_collective_count(self) -> int:
+        """How many cross-group collectives the current step launched; the count starts over."""
+        launched, self.collectives_launched = self.collectives_launched, 0
+        return launched
 
     def take_gradient_check(self) -> Callable[[], bool] | None:
         """The current step's check, once per step (the count and the flags start over): a function that says
@@ -139,6 +147,7 @@ def cross_group_average(
     except Exception as error:
         _report(manager, error)
         return _completed(buffer)
+    state.collectives_launched += 1
 
     def average(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:

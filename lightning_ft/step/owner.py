@@ -66,6 +66,7 @@ class StepOwner:
         self._skip_non_finite = skip_non_finite
         self._sharded = sharded
         self._output: Any = None  # what the batch's training_step returned: the step event's loss, if not read at vote
+        self._collectives: int | None = None  # the step's cross-group gradient collectives (DDP's hook), for the event
 
     @property
     def protocol(self) -> StepProtocol:
@@ -111,6 +112,7 @@ class StepOwner:
         finally:
             if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves a check
                 comm_state.take_gradient_check()
+                self._collectives = comm_state.take_collective_count()
         if not protocol.decided:
             protocol.commit()
         return output
@@ -125,10 +127,12 @@ class StepOwner:
         if protocol.decided:
             if events.enabled():  # the loss is read for the event only (on a GPU, a read is a device sync)
                 loss = protocol.step_loss if protocol.step_loss is not None else loss_of(self._output)
-                protocol.report_step(protocol.last_step_committed, loss=loss)
+                collectives = {} if self._collectives is None else {"cross_group_collectives": self._collectives}
+                protocol.report_step(protocol.last_step_committed, loss=loss, **collectives)
             realign_after_the_first_commit(trainer, protocol.last_step_committed, committed, sharded=self._sharded)
         protocol.close()
         self._output = None
+        self._collectives = None
         align_step_counters(trainer, committed)
 
     def advances_schedulers(self) -> bool:

@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 PREFIX = "lightning_ft_"  # FTStrategy's replica_id_prefix
+# The worker's hidden width for gradients of 1.3 MB (18 floats per unit): over the 1 MiB torch caps DDP's first
+# bucket at by default, under the 25 MiB of FTStrategy's explicit cap.
+HIDDEN_OVER_ONE_MIB = 18_000
 
 
 def inject(*failures: dict) -> str:
@@ -130,16 +133,23 @@ def assert_the_failure_is_observed(job: LaunchedJob) -> None:
 def test_a_kill_inside_the_cross_group_allreduce_costs_the_survivor_at_most_one_step(launch):
     """Group 1 SIGKILLs itself inside step 9's gradient allreduce (at global_step 8), with group 0 inside the same
     collective. Group 0's step fails and does not commit (one lost step, not a crash), its next steps commit; the
-    restarted group heals from it."""
+    restarted group heals from it.
+
+    The model's gradients (1.3 MB) are over torch's 1-MiB cap for DDP's first bucket and under FTStrategy's 25 MiB:
+    every step sends them across groups in one collective (two with torch's default cap: checked by removing
+    ``configuration.DEFAULT_BUCKET_CAP_MB``'s use)."""
     max_steps = 40
     failure = {"kind": "kill", "group": 1, "step": 8, "at": "allreduce"}
-    job = launch(groups=2, worker_args=[f"--max-steps={max_steps}", inject(failure), *GATES])
+    worker_args = [f"--max-steps={max_steps}", f"--hidden={HIDDEN_OVER_ONE_MIB}", inject(failure), *GATES]
+    job = launch(groups=2, worker_args=worker_args)
     start_together(job, groups=2, nproc=1)
     hold_survivor_until_the_victim_rejoins(job, first_pid=job.worker_pid(1, 0, 0), failure_step=8)
     assert_identical_at(job, max_steps=max_steps, committed=max_steps)
     uncommitted = job.events("step", group=0, committed=False)
     # The step the victim died in (committed step 8 when it voted) is lost, and only that one.
     assert [record["step"] for record in uncommitted] == [8], f"the survivor lost other steps than 8: {uncommitted}"
+    collectives = {(e["group"], e["cross_group_collectives"]) for e in job.events("step", committed=True)}
+    assert collectives == {(0, 1), (1, 1)}, collectives
     assert len(job.events("started", group=0)) == 1, "the survivor must not crash"
     assert job.events("healed", group=1, pid=job.worker_pid(1, 0)), job.tail()
     record("SIGKILL inside the cross-group allreduce", job, failed_at=injected_at(job), victim=1, survivors=[0])

@@ -179,6 +179,22 @@ def test_a_wait_with_a_timeout_times_out_as_the_backends_own_does():
     watch.shutdown()
 
 
+def test_a_wait_with_a_timeout_returns_once_the_operation_completes_before_or_during_it():
+    """The timed wait's event is made by the wait itself: an operation that had completed returns at once, one that
+    completes while the wait runs wakes it."""
+    watch, _ = make_watch(Signal(None))
+    done = BackendWork()
+    completed = watch.track(done)
+    done.future.set_result([torch.ones(1)])
+    assert completed.wait(timedelta(seconds=30))
+    later = BackendWork()
+    pending = watch.track(later)
+    threading.Timer(0.05, lambda: later.future.set_result([torch.ones(1)])).start()
+    started = time.monotonic()
+    assert pending.wait(timedelta(seconds=30)) and time.monotonic() - started < 10
+    watch.shutdown()
+
+
 def test_the_watchdog_thread_gives_up_on_its_own():
     """The real thread, real clock: an operation pending past check_after after a member moved on is given up."""
     watch = LeftBehindWatch(Signal(MovedOn(1)), quorum_id=lambda: 0, check_after=0.05, interval=0.05)

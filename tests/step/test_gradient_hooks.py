@@ -302,3 +302,29 @@ def test_without_unused_parameter_search_a_fresh_process_starts_with_the_buckets
     fresh_first_step = _bucket_layouts(pinned(), steps=1)[0]
     assert len(running[0]) > 1, running  # several buckets, so that an order can differ
     assert running[0] == running[1] == running[2] == fresh_first_step
+
+
+def test_a_model_under_25_mib_crosses_groups_in_one_collective_per_step(monkeypatch):
+    """FTStrategy passes DDP an explicit 25-MiB bucket cap: torch's own default caps the first bucket at 1 MiB, which
+    splits 2 MB of gradients into two buckets, two cross-group collectives per step (the control below)."""
+    from lightning_ft import FTStrategy
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    group = _standalone_gloo_group()
+    layers = [torch.nn.Linear(64, 8192), torch.nn.Tanh(), torch.nn.Linear(8192, 8)]  # 2.2 MB of gradients
+
+    def buckets(**ddp_kwargs: object) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*layers), process_group=group, **ddp_kwargs
+        )
+        counts = {len(layout) for layout in _bucket_layouts(model, steps=3)}
+        assert len(counts) == 1, counts  # the same layout at every step
+        return counts.pop()
+
+    passed_on = FTStrategy()._ddp_kwargs
+    assert passed_on["bucket_cap_mb"] == 25
+    assert buckets(**passed_on) == 1
+    assert buckets(find_unused_parameters=True) == 2  # torch's default cap: the layout FTStrategy no longer uses
+    assert FTStrategy(bucket_cap_mb=1)._ddp_kwargs["bucket_cap_mb"] == 1  # a user's own cap wins

@@ -626,11 +626,12 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=None, help="the same initial weights in every group")
+    parser.add_argument("--hidden", type=int, default=32, help="the hidden layer's width")
     parser.add_argument(
         "--hidden-for-group",
         default=None,
         metavar="G:W",
-        help="group G builds a hidden layer of width W instead of 32: replicas whose models differ",
+        help="group G builds a hidden layer of width W instead of --hidden: replicas whose models differ",
     )
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers)")
     parser.add_argument("--optimizers", type=int, default=1, help="2: two optimizers (with --manual, one per forward)")
@@ -782,7 +783,7 @@ def main() -> None:
     val_loader = DataLoader(validation_dataset(), batch_size=args.batch_size)
     if args.seed is not None:  # the weights a test can rebuild: nothing above may draw from the generator first
         torch.manual_seed(args.seed)
-    hidden = 32
+    hidden = args.hidden
     if args.hidden_for_group is not None:
         odd_group, width = (int(part) for part in args.hidden_for_group.split(":"))
         hidden = width if group == odd_group else hidden
