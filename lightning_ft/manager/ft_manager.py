@@ -11,7 +11,8 @@ Four behaviours are added where torchft has no hook for them:
   counted in the first step's average contributes to it (:meth:`FTManager.start_quorum`).
 * **A quorum already known is not waited for again through the profiler.** torchft's ``wait_quorum`` is
   ``_quorum_future.result()`` inside a ``record_function`` range, called several times per step; once the quorum is
-  known, and with no profiler running, the range is skipped (its cost per call is in ``docs/benchmarks.md``).
+  known, and with no profiler running, the range is skipped (its cost per call is in ``docs/benchmarks.md``), and so
+  are the observers once they have heard of the quorum: its later waits take no time and tell them nothing new.
 * **Quorum observers** learn how long the training thread waited for each quorum and which quorum it got, measured
   in ``wait_quorum`` itself: every caller that blocks on a quorum passes there (the start of a synchronous step, the
   first cross-group allreduce or ``num_participants()`` with an asynchronous quorum, a sync section). They hear of
@@ -110,11 +111,16 @@ class FTManager(Manager):
         """Wait for the quorum, as torchft does; tell the observers; then vet a heal right away: every cross-group
         collective (``allreduce``) waits here first, so a state that cannot be loaded stops this replica before it
         exchanges anything with its peers."""
-        # The clock bound at import (``from time import monotonic``): this runs several times per step, and a test
-        # that patches the time module's clock (Lightning's time-based validation, its throughput monitor) must see
-        # Lightning's own reads of it only.
-        started = monotonic()
         quorum = self._quorum_future  # waiting does not replace it
+        if quorum is not None and quorum is self._observed_quorum and not profiler_enabled():
+            # Called several times per step (the gradient hooks, num_participants, the vote): the observers hear of
+            # a quorum only once a wait for it has returned its result, so this one is done and did not fail; a
+            # wait takes no time and tells them nothing new.
+            self._vet_heal()
+            return
+        # The clock bound at import (``from time import monotonic``): a test that patches the time module's clock
+        # (Lightning's time-based validation, its throughput monitor) must see Lightning's own reads of it only.
+        started = monotonic()
         try:
             if quorum is not None and quorum.done() and not profiler_enabled():
                 # The quorum is known: torchft's wait_quorum is exactly this call, inside a profiler range whose

@@ -43,7 +43,9 @@ def bare_manager() -> FTManager:
     return manager
 
 
-def test_observers_hear_every_wait_and_each_quorum_once(monkeypatch):
+def test_observers_hear_each_quorums_wait_and_the_quorum_once(monkeypatch):
+    """The first wait for a quorum is timed and reported; the later ones of the same step (every allreduce and
+    num_participants(), the vote) find it done and known, take no time and tell the observers nothing."""
     manager, recorder = bare_manager(), Recorder()
     manager.add_quorum_observer(recorder)
     ticks = iter(range(0, 1000, 2))  # every reading of the clock is 2 s after the last: each wait lasts 2 s
@@ -52,13 +54,27 @@ def test_observers_hear_every_wait_and_each_quorum_once(monkeypatch):
     completed_quorum(manager, quorum_id=4, participants=2, replica_rank=1)
     for _ in range(3):  # torchft waits on the same quorum for every allreduce and num_participants()
         manager.wait_quorum()
-    assert recorder.waits == [2.0, 2.0, 2.0], "each wait is timed from its start to its end"
+    assert recorder.waits == [2.0], "the first wait is timed from its start to its end, the others take none"
     assert recorder.quorums == [QuorumSeen(quorum_id=4, participants=2, replica_rank=1)]
     assert manager.quorum_id() == 4
     completed_quorum(manager, quorum_id=5, participants=1, replica_rank=None)
     manager.wait_quorum()
+    assert recorder.waits == [2.0, 2.0]
     assert recorder.quorums[-1] == QuorumSeen(quorum_id=5, participants=1, replica_rank=None)
     assert len(recorder.quorums) == 2
+
+
+def test_a_later_wait_for_a_known_quorum_still_vets_the_heal():
+    """The short way of a known quorum's later waits keeps the heal's check: a state that must not be loaded stops
+    the replica at whichever wait comes first after it was received."""
+    manager = bare_manager()
+    completed_quorum(manager, quorum_id=4, participants=2, replica_rank=1)
+    manager.wait_quorum()
+    checked: list[object] = []
+    manager.register_heal_check("user", checked.append)
+    manager._healing, manager._pending_state_dict = True, {"user": {"user": "state"}}
+    manager.wait_quorum()
+    assert checked == ["state"]
 
 
 def test_a_failed_wait_is_timed_and_reports_no_quorum():
