@@ -1,6 +1,7 @@
 """The process tests' harness (``tests/support/harness.py``) and fault-schedule executor
 (``tests/support/fault_schedules.py``) for the drivers that start and watch a job with them (``kill_loop``,
-``scale_kills``, ``soak``).
+``scale_kills``, ``soak``), and the tests' way to join a cross-group process group without a Manager
+(``tests/support/torchft_groups.py``, for ``zoo/collective_cost.py``).
 
 ``tests/`` is not a package: its conftest puts ``tests/support/`` (the harness and its ``helpers`` module) and every
 test folder on ``sys.path``. This module does the same, once, and is the only place in ``benchmarks/`` that touches
@@ -26,6 +27,7 @@ from fault_schedules import (  # noqa: E402
     check_invariants,
 )
 from harness import LaunchedJob, launch_job  # noqa: E402
+from torchft_groups import reconfigure_without_manager  # noqa: E402
 
 __all__ = [
     "FAULT_SCHEDULE_PATHS",
@@ -36,4 +38,5 @@ __all__ = [
     "carry_out",
     "check_invariants",
     "launch_job",
+    "reconfigure_without_manager",
 ]
