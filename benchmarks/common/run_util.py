@@ -66,6 +66,22 @@ def run_job(command: list[str], log: Path, timeout: float, env: dict[str, str] |
                 process.wait()
 
 
+def run_workers(commands: list[list[str]], what: str, timeout: float = 600) -> list[str]:
+    """Start every command at once (a driver's own workers, with ``repo_env``), wait for all, and return each one's
+    standard output; raise naming ``what`` if one fails. Whatever happens, any left running is killed (ours alone)."""
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, cwd=REPO, env=repo_env()) for command in commands]
+    try:
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if any(process.returncode for process in processes):
+        raise RuntimeError(f"{what}: a worker failed ({[process.returncode for process in processes]})")
+    return [output.decode() for output in outputs]
+
+
 def run_together(commands: list[tuple[list[str], Path]], limit: float) -> None:
     """Start every ``(command, log)`` at once, each in its own session with output to its log, and wait for all;
     raise as soon as one fails or ``limit`` seconds pass. Whatever happens, any left running is killed (ours alone)."""

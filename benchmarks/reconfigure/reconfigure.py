@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.run_util import REPO, module_command, repo_env
+from benchmarks.common.run_util import module_command, run_workers
 
 VARIANTS = ("torchft", "lightning_ft", "native")
 TIMEOUT = timedelta(seconds=60)
@@ -90,25 +89,10 @@ def run_variant(variant: str, world: int, generations: int) -> dict[str, Any]:
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     command = module_command(__spec__.name, "--worker", variant, "--world", str(world), "--port", str(store.port))
-    processes = [
-        subprocess.Popen(
-            [*command, "--rank", str(rank), "--generations", str(generations)],
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-            env=repo_env(),
-        )
-        for rank in range(world)
-    ]
-    try:
-        outputs = [process.communicate(timeout=600)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    if any(process.returncode for process in processes):
-        raise RuntimeError(f"{variant}: a worker failed ({[p.returncode for p in processes]})")
-    rows = [json.loads(line) for line in outputs[0].decode().splitlines() if line.startswith("{")]
+    outputs = run_workers(
+        [[*command, "--rank", str(rank), "--generations", str(generations)] for rank in range(world)], variant
+    )
+    rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
     later = [row for row in rows[1:] if "failed" not in row]  # the first generation also warms up
     return {
         "generations": len(rows),

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.run_util import REPO, module_command, repo_env
+from benchmarks.common.run_util import module_command, run_workers
 
 VARIANTS = ("gloo", "torchft", "lightning_ft", "lightning_ft_hook")
 SIZES = {"1KB": 256, "1MB": 262_912}  # float32 elements; 1 MB is the 0.26 M-parameter MLP's gradients
@@ -87,22 +86,10 @@ def run_variant(variant: str, size: str, ops: int) -> dict[str, float]:
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     command = module_command(__spec__.name, "--worker", variant, "--size", size, "--port", str(store.port))
-    processes = [
-        subprocess.Popen(
-            [*command, "--rank", str(rank), "--ops", str(ops)], stdout=subprocess.PIPE, cwd=REPO, env=repo_env()
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [process.communicate(timeout=600)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    if any(process.returncode for process in processes):
-        raise RuntimeError(f"{variant} {size}: a worker failed ({[p.returncode for p in processes]})")
-    rows = [json.loads(output.decode().strip().splitlines()[-1]) for output in outputs]
+    outputs = run_workers(
+        [[*command, "--rank", str(rank), "--ops", str(ops)] for rank in range(2)], f"{variant} {size}"
+    )
+    rows = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
     return {key: statistics.mean(row[key] for row in rows) for key in ("cpu_us_per_op", "wall_us_per_op")}
 
 
