@@ -23,13 +23,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ft import lightning_internals
 from lightning_ft.callbacks._access import ft_collectives, ft_manager, ft_settings, ft_step_protocol, is_semi_sync
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.errors import LightningFTError
 from lightning_ft.heal.fingerprint import state_fingerprints
 from lightning_ft.settings import FTConfigError
@@ -63,7 +63,7 @@ def parameter_fingerprint(parameters: list[Tensor]) -> tuple[int, int]:
     return int(total), int(squares)
 
 
-class ReplicaConsistencyCheck(Callback):
+class ReplicaConsistencyCheck(FTCallback):
     """Every ``every_n_steps`` committed steps and at the job's last step, compare every replica's fingerprint of the
     whole training state across groups (:mod:`lightning_ft.heal.fingerprint`). FTStrategy adds one with the defaults
     to every per-step (``algorithm="ddp"``) fit; give your own to change them.

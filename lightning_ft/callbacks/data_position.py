@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft import lightning_internals
 from lightning_ft.callbacks._access import ft_data_mode, ft_manager, ft_step_protocol
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.data.position import (
     LoopPosition,
     ResumePlan,
@@ -37,7 +37,7 @@ class _PendingReposition:
     target_epoch: int  # the peer's
 
 
-class DataPositionCallback(Callback):
+class DataPositionCallback(FTCallback):
     """Moves this group's data iterator to where its peers are, in its own shard.
 
     **Heal.** The Manager's heal payload carries the loop position the peer had when its current optimizer step

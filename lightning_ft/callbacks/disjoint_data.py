@@ -23,7 +23,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
@@ -36,6 +35,7 @@ from lightning_ft.callbacks._access import (
     ft_step_protocol,
     is_semi_sync,
 )
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.callbacks.consistency import parameter_fingerprint
 from lightning_ft_job import events
 
@@ -63,7 +63,7 @@ def duplicated_groups(rows: list[tuple[int, ...]]) -> list[tuple[int, int, int]]
     return pairs
 
 
-class DisjointDataCheck(Callback):
+class DisjointDataCheck(FTCallback):
     """Warns once when two replica groups read the same first batch at the job's first step (see the module)."""
 
     def __init__(self) -> None:

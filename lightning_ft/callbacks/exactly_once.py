@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_data_mode, ft_exactly_once_data, ft_manager, ft_step_protocol
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.callbacks.data_position import DATA_POSITION_KEY
 from lightning_ft.data.placement import ExactlyOnceData
 from lightning_ft.data.position import LoopPosition, align_with_peer
@@ -16,7 +16,7 @@ from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
 
 
-class ExactlyOnceDataCallback(Callback):
+class ExactlyOnceDataCallback(FTCallback):
     """The loop side of ``FTStrategy(data_mode="exactly_once")`` (see :mod:`lightning_ft.data.placement`); it takes
     :class:`~lightning_ft.callbacks.DataPositionCallback`'s place in that mode.
 

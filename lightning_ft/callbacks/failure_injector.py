@@ -37,10 +37,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_settings
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.manager.internals import cross_group_process_group, intercept_backend_works, process_group_timeout
 from lightning_ft.settings import FTConfigError
 from lightning_ft_job import events
@@ -124,7 +124,7 @@ class Failure:
             raise FTConfigError("Failure(kind='slow'): seconds (the delay per batch) is required.")
 
 
-class FailureInjector(Callback):
+class FailureInjector(FTCallback):
     """Fires each :class:`Failure` meant for this process (its group and group rank) at its step.
 
     Args:

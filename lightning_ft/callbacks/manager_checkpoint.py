@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, has_ft_manager
+from lightning_ft.callbacks._batch_hooks import FTCallback
 
 
-class ManagerCheckpointCallback(Callback):
+class ManagerCheckpointCallback(FTCallback):
     """Saves ``Manager.state_dict()`` (``step``, ``batches_committed``) with every checkpoint and restores it.
 
     torchft's Manager documents this as required: a job resumed from a checkpoint without it would restart the

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
@@ -22,13 +21,14 @@ from lightning_ft.callbacks._access import (
     has_ft_manager,
     is_semi_sync,
 )
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.loop_patches import LoopPatches
 from lightning_ft_job import events
 
 PREFIX = "ft/"
 
 
-class FaultToleranceMonitor(Callback):
+class FaultToleranceMonitor(FTCallback):
     """Reports what fault tolerance did, the way Lightning's ``LearningRateMonitor`` reports learning rates.
 
     **Metrics.** At the end of a training batch, whenever Lightning logs its own step metrics (every

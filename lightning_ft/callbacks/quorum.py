@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_collectives, ft_step_owner
+from lightning_ft.callbacks._batch_hooks import FTCallback
 
 
-class QuorumCallback(Callback):
+class QuorumCallback(FTCallback):
     """The Lightning side of the step owner (:class:`lightning_ft.step.owner.StepOwner`) at batch start and epoch end.
 
     **Batch start.** Asks the step owner to begin the step: its quorum opens once per accumulation window, before the

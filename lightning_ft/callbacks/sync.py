@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.algorithms.sync_owner import FINAL_SYNC_ATTEMPTS, SYNC_STATE_KEY, FinalSyncError, SyncOwner
 from lightning_ft.callbacks._access import ft_sync_owner
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.heal.checkpoint_mode import healing
 
 #: DiLoCo's global parameters and outer optimizer state in a checkpoint file.
@@ -23,7 +23,7 @@ DILOCO_CHECKPOINT_KEY = "lightning_ft_diloco"
 __all__ = ["DILOCO_CHECKPOINT_KEY", "FINAL_SYNC_ATTEMPTS", "SYNC_STATE_KEY", "FinalSyncError", "SyncCallback"]
 
 
-class SyncCallback(Callback):
+class SyncCallback(FTCallback):
     """Syncs at the start of the batch that follows every ``sync_period``-th inner step (``sync_every``, or
     ``sync_every / fragments`` for streaming DiLoCo, one fragment per sync), and once more at the end of training.
 

@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ft.callbacks._access import ft_manager, ft_step_protocol, ft_telemetry, has_step_protocol, is_semi_sync
+from lightning_ft.callbacks._batch_hooks import FTCallback
 from lightning_ft.heal.state import (
     STATE_KEY,
     align_step_counters,
@@ -26,7 +26,7 @@ from lightning_ft_job import events
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
 
-class StateTransferCallback(Callback):
+class StateTransferCallback(FTCallback):
     """Registers the whole training state with the torchft Manager for healing.
 
     The Manager calls :func:`~lightning_ft.heal.state.capture_training_state` on a live peer, on its quorum thread
