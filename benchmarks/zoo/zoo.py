@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.job_cpu import cpu_per_step, run_job_sampling_cpu
+from benchmarks.common.job_cpu import cpu_per_step, cpu_per_step_by_kind, run_job_sampling_cpu
 from benchmarks.common.results import RESULTS, every, header, new_results_file
 from benchmarks.common.run_util import LIGHTNING_FT, REPO, median
 from benchmarks.zoo.zoo_models import ZOO, parameter_count
@@ -81,13 +81,14 @@ def measure(
     root = scratch / f"{model}-{accumulate}-{mode}-{rep}"
     load = os.getloadavg()[0]
     job = command(mode, model, accumulate, steps, root, processes)
-    code, cpu_samples = run_job_sampling_cpu(job, root / "job.log", timeout=600)
+    code, cpu_samples = run_job_sampling_cpu(job, root / "job.log", timeout=600, training_marker=WORKER.name)
     files = sorted(root.glob("steps.*.json"))
     if code != 0 or len(files) != processes:
         raise RuntimeError(f"{mode}/{model} failed (exit {code}, {len(files)} step records); see {root / 'job.log'}")
     medians = []
     paths: dict[str, list[float]] = {}
     cpu: float | None = None
+    cpu_by_kind: dict[str, float] | None = None
     for path in files:
         record = json.loads(path.read_text())
         if record["global_step"] != steps:
@@ -95,6 +96,7 @@ def measure(
         medians.append(median([b - a for a, b in itertools.pairwise(record["step_ends"])][warmup:]))
         if cpu is None:  # the first process's steps count the job's: every process takes each committed step
             cpu = cpu_per_step(cpu_samples, record["step_ends"], warmup)
+            cpu_by_kind = cpu_per_step_by_kind(cpu_samples, record["step_ends"], warmup)
         for name in ("optimizer_ends", "vote_ends"):
             gap = to_next_forward(record.get(name, [])[warmup:], record.get("forward_starts", []))
             if gap is not None:
@@ -103,6 +105,8 @@ def measure(
     critical = {f"{name[:-5]}_to_forward_ms": 1000 * sum(gaps) / len(gaps) for name, gaps in paths.items()}
     shown = "  ".join(f"{name} {value:.3f}" for name, value in critical.items())
     cpu_ms = f"  job CPU {cpu * 1000:7.2f} ms/step" if cpu is not None else ""
+    if cpu_by_kind is not None:
+        cpu_ms += " (" + ", ".join(f"{kind} {seconds * 1000:.2f}" for kind, seconds in cpu_by_kind.items()) + ")"
     print(
         f"  {model:17s} acc {accumulate} {mode:3s} rep {rep}: {step * 1000:8.2f} ms/step{cpu_ms}  {shown}", flush=True
     )
@@ -114,6 +118,8 @@ def measure(
         "step_s": step,
         # the job's CPU seconds per step, every process of it (launcher, lighthouse, agents, training processes)
         "job_cpu_per_step_s": cpu,
+        # the same by kind of thread (job_cpu.THREAD_KINDS): training threads, torchft's, Gloo's, the rest
+        "job_cpu_per_step_by_thread_s": cpu_by_kind,
         "loadavg_1m": load,
         "processes": processes,
         **critical,

@@ -1,5 +1,5 @@
-"""The benchmarks' measure of a whole job's CPU (benchmarks/common/job_cpu.py): the tree is every descendant, and the
-CPU per step is taken over the steady part only."""
+"""The benchmarks' measure of a whole job's CPU (benchmarks/common/job_cpu.py): the tree is every descendant, the
+CPU per step is taken over the steady part only, and each thread is counted under its kind."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import time
 
 import pytest
 
-from benchmarks.common.job_cpu import cpu_per_step, tree_cpu_seconds
+from benchmarks.common.job_cpu import (
+    CpuSample,
+    by_kind,
+    cpu_per_step,
+    cpu_per_step_by_kind,
+    thread_kind,
+    tree_cpu_seconds,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,32 +28,80 @@ PARENT = (
     + SPIN.format(seconds=0.6)
     + "child.wait()\n"
 )
+# A "training" process (its command line holds the marker) whose main thread spins, beside a thread that names
+# itself as torchft names its quorum thread and spins as long.
+MARKER = "job-cpu-training-marker"
+TRAINING = (
+    f"# {MARKER}\n"
+    "import ctypes, threading, time\n"
+    "def spin(seconds):\n"
+    "    end = time.thread_time() + seconds\n"
+    "    while time.thread_time() < end: pass\n"
+    "def beside():\n"
+    "    ctypes.CDLL(None).prctl(15, b'torchft_quorum')  # PR_SET_NAME\n"
+    "    spin(0.4)\n"
+    "thread = threading.Thread(target=beside)\n"
+    "thread.start()\n"
+    "spin(0.4)\n"
+    "thread.join()\n"
+    "time.sleep(0.3)\n"  # for a reading after both spun
+)
+
+
+def _read_until_exit(process: subprocess.Popen, read) -> None:
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # read the tree until the job ends
+            read()
+            try:
+                process.wait(timeout=0.05)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_the_tree_counts_a_descendant_in_another_session_and_keeps_an_exited_ones_cpu():
     parent = subprocess.Popen([sys.executable, "-c", PARENT.format(child=SPIN.format(seconds=0.6))])
     seen: dict[int, float] = {}
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # read the tree until the job ends
-            tree_cpu_seconds(parent.pid, seen)
-            try:
-                parent.wait(timeout=0.05)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    finally:
-        if parent.poll() is None:
-            parent.kill()
+    _read_until_exit(parent, lambda: tree_cpu_seconds(parent.pid, seen))
     assert len(seen) == 2
     # The child's last reading is kept after it exited; the parent's (gone too) as well: about 0.6 s each at least
     # as far as they were read, and never more than they spun plus start-up.
     assert 0.5 < sum(seen.values()) < 5.0
 
 
+def test_each_thread_counts_under_its_kind():
+    process = subprocess.Popen([sys.executable, "-c", TRAINING])
+    seen: dict[int, float] = {}
+    threads: dict[tuple[int, int], tuple[str, float]] = {}
+    _read_until_exit(process, lambda: tree_cpu_seconds(process.pid, seen, threads, training_marker=MARKER))
+    kinds = by_kind(threads)
+    assert 0.3 < kinds["torchft"] < 1.0  # the named thread's 0.4 s
+    assert 0.3 < kinds["training"] < 2.0  # the main thread's 0.4 s, plus the interpreter's start-up
+    assert kinds["launcher_and_agents"] == 0.0  # the marker makes the process a training one
+    assert sum(kinds.values()) <= sum(seen.values()) + 0.05
+
+
+def test_a_thread_kind_comes_from_its_name_and_its_process():
+    assert thread_kind("torchft-lighths", is_main_thread=False, in_training_process=False) == "torchft"
+    assert thread_kind("pt_gloo_runloop", is_main_thread=False, in_training_process=True) == "gloo"
+    assert thread_kind("python", is_main_thread=True, in_training_process=True) == "training"
+    assert thread_kind("python", is_main_thread=False, in_training_process=True) == "training_process_other"
+    assert thread_kind("python", is_main_thread=True, in_training_process=False) == "launcher_and_agents"
+
+
 def test_cpu_per_step_takes_the_samples_between_the_warm_up_and_the_last_step():
     step_ends = [float(t) for t in range(11)]  # a step ends every second, 0 to 10
-    samples = [(t + 0.5, 2.0 * (t + 0.5) + (100.0 if t < 3 else 0.0)) for t in range(-1, 12)]  # start-up burst
+    samples = [
+        CpuSample(t + 0.5, 2.0 * (t + 0.5) + (100.0 if t < 3 else 0.0), {"torchft": 0.5 * (t + 0.5)})
+        for t in range(-1, 12)
+    ]  # a start-up burst in the first samples
     # Warm-up of 3 steps: the samples from 3.5 to 9.5 span the steps ending at 4 to 9 (6 steps), 12 CPU seconds.
     assert cpu_per_step(samples, step_ends, warmup=3) == pytest.approx(2.0)
     assert cpu_per_step(samples, step_ends[:4], warmup=3) is None  # no steady part
+    split = cpu_per_step_by_kind(samples, step_ends, warmup=3)
+    assert split is not None and split["torchft"] == pytest.approx(0.5) and split["gloo"] == 0.0
