@@ -9,7 +9,6 @@ torchft upgrade is a diff there. The modules here:
 * :mod:`.ft_manager`: :class:`FTManager`, torchft's Manager with heal vetting, the quorum id and quorum observers.
 * :mod:`.internals`: the functions that read or change a Manager's private attributes.
 * :mod:`.listeners`: where the Manager's listeners bind (its ManagerServer, the group's store, Gloo's address).
-* :mod:`.runtimes`: how many worker threads torchft's RPC runtimes run in a training process.
 * :mod:`.telemetry`: the figures of quorum waits and heals (the heal's transport is
   :mod:`lightning_ft.manager.http_transport`).
 * :mod:`.lighthouse_outage`, :mod:`.local_vote`: the client wrappers (ride out a lighthouse outage; a one-process

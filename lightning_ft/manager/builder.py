@@ -65,7 +65,6 @@ from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lightho
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
 from lightning_ft.manager.quorum_members import QuorumMembers
-from lightning_ft.manager.runtimes import torchft_runtime_threads
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.manager.torchft_logs import quiet_torchft_logs
 from lightning_ft.manager.vote_inputs import VoteInputs
@@ -195,7 +194,7 @@ def build_manager(
     store, store_host, store_port = _fresh_group_store(group_rank, group_world_size, hostname)
     pg = build_cross_group_process_group(settings, device, hostname)
     transport: TimedTransport[Any] = TimedTransport(checkpoint_transport(settings, pg, device, hostname))
-    with manager_server_bound_to(hostname), lighthouse_reached(lighthouse_addr, settings), torchft_runtime_threads():
+    with manager_server_bound_to(hostname), lighthouse_reached(lighthouse_addr, settings):
         manager = FTManager(
             pg=pg,
             load_state_dict=None,
