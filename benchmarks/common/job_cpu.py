@@ -59,7 +59,8 @@ def thread_kind(name: str, is_main_thread: bool, in_training_process: bool) -> s
 def _thread_seconds(pid: int, training_marker: str | None) -> dict[tuple[int, int], tuple[str, float]]:
     """``{(pid, tid): (kind, CPU seconds)}`` of a live process's threads; empty if it is gone."""
     try:
-        training = training_marker is not None and training_marker in Path(f"/proc/{pid}/cmdline").read_text()
+        arguments = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        training = training_marker is not None and len(arguments) > 1 and arguments[1].endswith(training_marker)
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
@@ -94,7 +95,8 @@ def tree_cpu_seconds(
 ) -> float:
     """The CPU seconds of ``root``'s tree so far: every live descendant read now, and every process seen before that
     has exited since at its last reading (``seen``, updated in place). With ``threads_seen``, also every thread of
-    the tree, by kind, the same way (``training_marker``: a string in the training processes' command lines)."""
+    the tree, by kind, the same way (``training_marker``: how the script the training processes run ends; the
+    launcher's and torchrun's command lines name it too, further on)."""
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -128,8 +130,9 @@ def run_job_sampling_cpu(
     command: Sequence[str], log: Path, timeout: float, interval: float = 0.25, training_marker: str | None = None
 ) -> tuple[int, list[CpuSample]]:
     """Run ``command`` as ``run_util.run_job`` does (its own session, output to ``log``, killed by its session on a
-    timeout: ours alone), sampling its tree's CPU. Returns the exit code and the samples. ``training_marker``: a
-    string in the training processes' command lines (their main threads are the ``training`` kind)."""
+    timeout: ours alone), sampling its tree's CPU. Returns the exit code and the samples. ``training_marker``: how
+    the script the training processes run ends (the first argument after the interpreter; their main threads are
+    the ``training`` kind)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     samples: list[CpuSample] = []
     stop = threading.Event()
