@@ -59,8 +59,9 @@ def thread_kind(name: str, is_main_thread: bool, in_training_process: bool) -> s
 def _thread_seconds(pid: int, training_marker: str | None) -> dict[tuple[int, int], tuple[str, float]]:
     """``{(pid, tid): (kind, CPU seconds)}`` of a live process's threads; empty if it is gone."""
     try:
-        arguments = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        training = training_marker is not None and len(arguments) > 1 and arguments[1].endswith(training_marker)
+        arguments = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[1:]
+        program = next((argument for argument in arguments if not argument.startswith("-")), "")
+        training = training_marker is not None and program.endswith(training_marker)
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
@@ -131,8 +132,8 @@ def run_job_sampling_cpu(
 ) -> tuple[int, list[CpuSample]]:
     """Run ``command`` as ``run_util.run_job`` does (its own session, output to ``log``, killed by its session on a
     timeout: ours alone), sampling its tree's CPU. Returns the exit code and the samples. ``training_marker``: how
-    the script the training processes run ends (the first argument after the interpreter; their main threads are
-    the ``training`` kind)."""
+    the script the training processes run ends (the interpreter's first argument that is not an option, as in
+    ``python -u worker.py``; their main threads are the ``training`` kind)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     samples: list[CpuSample] = []
     stop = threading.Event()

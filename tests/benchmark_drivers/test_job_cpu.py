@@ -45,7 +45,9 @@ TRAINING = (
     "thread.join()\n"
     "time.sleep(0.3)\n"  # for a reading after both spun
 )
-LAUNCHER = "import subprocess, sys\n" + SPIN.format(seconds=0.3) + "subprocess.run([sys.executable, sys.argv[1]])\n"
+LAUNCHER = (
+    "import subprocess, sys\n" + SPIN.format(seconds=0.3) + "subprocess.run([sys.executable, '-u', sys.argv[1]])\n"
+)
 
 
 def _read_until_exit(process: subprocess.Popen, read) -> None:
