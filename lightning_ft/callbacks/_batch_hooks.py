@@ -9,14 +9,15 @@ training step, 5 reach code of theirs, and the others were a no-op in a profiler
 :class:`FTCallback` puts a descriptor in place of each per-batch hook: on an instance whose class overrides the hook
 it is never reached (the override comes first in the method resolution order); on one whose class does not, it reads
 ``None``, which Lightning skips and ``is_overridden`` reports as not overridden; through ``super()`` from an override,
-or on the class, it reads ``Callback``'s no-op, so a subclass's ``super().on_train_batch_end(...)`` still works.
+or on the class, it reads ``Callback``'s no-op, so a subclass's ``super().on_train_batch_end(...)`` still works; in a
+class that also derives from another callback, whose override comes after :class:`FTCallback` in the method
+resolution order, it reads that override.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch.callbacks import Callback
 
@@ -46,9 +47,15 @@ class _InheritedNoOp:
     def __get__(self, instance: Any, owner: type | None = None) -> Callable[..., None] | None:
         if instance is None:
             return self._no_op  # read on the class: Callback's function
-        if self._name in type(instance)._overridden_batch_hooks:
-            return self._no_op.__get__(instance, owner)  # reached through super() from the class's override
-        return None  # the class leaves the hook alone: Lightning skips it
+        cls = type(instance)
+        if self._name not in cls._overridden_batch_hooks:
+            return None  # nothing in the class overrides the hook: Lightning skips it
+        # Reached through super() from an override, or the override comes after FTCallback in the method resolution
+        # order (a class that also derives from another callback): what the name means without this stand-in.
+        after = cls.__mro__[cls.__mro__.index(FTCallback) + 1 :]
+        hook = next(vars(klass)[self._name] for klass in after if self._name in vars(klass))
+        bind = getattr(hook, "__get__", None)  # a plain function; a callable object is returned as it is
+        return cast(Callable[..., None], bind(instance, cls) if bind is not None else hook)
 
 
 class FTCallback(Callback):
@@ -59,8 +66,9 @@ class FTCallback(Callback):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        own = [klass for klass in cls.__mro__ if klass not in (FTCallback, Callback, object)]
         cls._overridden_batch_hooks = frozenset(
-            name for name in PER_BATCH_HOOKS if not isinstance(inspect.getattr_static(cls, name), _InheritedNoOp)
+            name for name in PER_BATCH_HOOKS if any(name in vars(klass) for klass in own)
         )
 
 

@@ -63,19 +63,38 @@ class Plain(Callback):
     pass
 
 
+class BackwardCounter(Callback):
+    """Another library's callback, overriding a per-batch hook that an FT callback leaves alone."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.calls.append("on_before_backward")
+
+
+class OnlyEndsBatches(FTCallback):
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pass
+
+
+class Mixed(OnlyEndsBatches, BackwardCounter):
+    """FTCallback comes before BackwardCounter in the method resolution order: its override must still be called."""
+
+
 def _hooks_called(profiler: ActionNames, callback: Callback) -> set[str]:
     prefix = f"[Callback]{callback.state_key}."
     return {name.removeprefix(prefix) for name in profiler.names if name.startswith(prefix)}
 
 
 def test_lightning_calls_an_ft_callback_only_at_the_per_batch_hooks_its_class_overrides(tmp_path):
-    ends, also, plain = EndsBatches(), AlsoAfterBackward(), Plain()
+    ends, also, plain, mixed = EndsBatches(), AlsoAfterBackward(), Plain(), Mixed()
     profiler = ActionNames()
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
         max_steps=3,
         limit_val_batches=0,
-        callbacks=[ends, also, plain],
+        callbacks=[ends, also, plain, mixed],
         profiler=profiler,
         logger=False,
         enable_checkpointing=False,
@@ -96,6 +115,8 @@ def test_lightning_calls_an_ft_callback_only_at_the_per_batch_hooks_its_class_ov
     # The overrides ran, once a step, their super() calls included.
     assert sorted(ends.calls) == sorted(["on_train_batch_end", "on_before_backward"] * 3)
     assert sorted(also.calls) == sorted(["on_train_batch_end", "on_before_backward", "on_after_backward"] * 3)
+    assert _hooks_called(profiler, mixed) & per_batch == {"on_train_batch_end", "on_before_backward"}
+    assert mixed.calls == ["on_before_backward"] * 3
     # Hooks that are not per batch are Lightning's as ever.
     assert {"setup", "on_train_start", "on_train_end", "teardown"} <= _hooks_called(profiler, ends)
 
