@@ -29,21 +29,28 @@ PARENT = (
     + "child.wait()\n"
 )
 # A training script whose main thread spins, beside a thread that names itself as torchft names its quorum thread and
-# spins as long; and a launcher that spins, then runs it (its command line names the script too, further on).
+# spins as long, then says so and waits for its standard input to close; and a launcher that spins, then runs it (its
+# command line names the script too, further on).
 TRAINING_SCRIPT = "job_cpu_training.py"
 TRAINING = (
-    "import ctypes, threading, time\n"
+    "import ctypes, sys, threading, time\n"
     "def spin(seconds):\n"
     "    end = time.thread_time() + seconds\n"
     "    while time.thread_time() < end: pass\n"
+    "spun_beside, released = threading.Event(), threading.Event()\n"
     "def beside():\n"
     "    ctypes.CDLL(None).prctl(15, b'torchft_quorum')  # PR_SET_NAME\n"
     "    spin(0.4)\n"
+    "    spun_beside.set()\n"
+    "    released.wait()\n"
     "thread = threading.Thread(target=beside)\n"
     "thread.start()\n"
     "spin(0.4)\n"
+    "spun_beside.wait()\n"
+    "print('spun', flush=True)\n"
+    "sys.stdin.read()\n"  # alive, threads and all, until the test has read the tree
+    "released.set()\n"
     "thread.join()\n"
-    "time.sleep(0.3)\n"  # for a reading after both spun
 )
 LAUNCHER = (
     "import subprocess, sys\n" + SPIN.format(seconds=0.3) + "subprocess.run([sys.executable, '-u', sys.argv[1]])\n"
@@ -79,10 +86,21 @@ def test_the_tree_counts_a_descendant_in_another_session_and_keeps_an_exited_one
 def test_each_thread_counts_under_its_kind(tmp_path):
     script = tmp_path / TRAINING_SCRIPT
     script.write_text(TRAINING)
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(script)])
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     seen: dict[int, float] = {}
     threads: dict[tuple[int, int], tuple[str, float]] = {}
-    _read_until_exit(launcher, lambda: tree_cpu_seconds(launcher.pid, seen, threads, training_marker=TRAINING_SCRIPT))
+    try:
+        assert launcher.stdout is not None and launcher.stdin is not None
+        assert launcher.stdout.readline() == "spun\n"  # every spin is over, every thread still there to be read
+        tree_cpu_seconds(launcher.pid, seen, threads, training_marker=TRAINING_SCRIPT)
+        launcher.stdin.close()
+        launcher.wait(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
     kinds = by_kind(threads)
     assert 0.3 < kinds["torchft"] < 1.0  # the named thread's 0.4 s
     assert 0.3 < kinds["training"] < 2.0  # the script's main thread's 0.4 s, plus the interpreter's start-up
