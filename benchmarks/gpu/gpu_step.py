@@ -17,6 +17,11 @@ sized for about 10 ms and about 100 ms per step on an H100/H200). A configuratio
 stream explicitly, once per step, which the debug mode does not count). Repetitions alternate the order of the modes;
 a configuration's ratio is ``ft`` ÷ ``plain`` of the same repetition (and ``ddp`` ÷ ``plain`` beside it).
 
+Beside the step time, each record holds the CPU time per measured step of the training thread and of the whole process
+(torchft's threads included): a step whose training thread takes as long as the GPU does is bound by the CPU, not the
+GPU. Where the implicit syncs come from (file and line of the Python frame that asked) is kept too, and
+``--trace-dir`` writes the first repetition's profiled steps as Chrome traces (``chrome://tracing``, Perfetto).
+
 ``--heal-mb`` adds a heal of that much CUDA state between two processes on the one GPU: ``heal/heal_throughput.py`` with
 ``--device cuda`` (the HTTP transport that a heal uses; the sender copies the state off the device, the receiver
 back onto it).
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="a new file (default: results/gpu_step/<UTC>_<commit>.json)")
     parser.add_argument("--label", help="appended to the default file name: <UTC>_<commit>_<label>.json")
     parser.add_argument("--table", type=Path, help="only print the table of this results file")
+    parser.add_argument(
+        "--trace-dir", type=Path, help="write the first repetition's profiled steps here, one gzipped Chrome trace each"
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny model on the CPU: checks the script on a machine without a GPU"
     )
@@ -155,7 +163,12 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             self.idle: float | None = None
             self.syncs: int | None = None
             self.top_cpu: list[Any] = []  # the operations with the most CPU time of their own, ms per step
+            self.sync_sites: dict[str, int] = {}  # where the implicit syncs were asked for: file:line -> count
+            self.thread_cpu: float | None = None  # CPU seconds per measured step: the training thread's
+            self.process_cpu: float | None = None  # and the whole process's (torchft's threads included)
+            self.trace: Path | None = None  # where to write the profiled steps' Chrome trace, if anywhere
             self._started = 0.0
+            self._cpu_started = (0.0, 0.0)
             self._profiler: Any = None
             self._warnings: Any = None
             self._caught: list[Any] = []
@@ -164,6 +177,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             if i == args.warmup:
                 synchronize()
                 self._started = time.perf_counter()
+                self._cpu_started = (time.thread_time(), time.process_time())
             elif i == args.warmup + args.steps and args.profile_steps:
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if cuda:
@@ -182,13 +196,21 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             if i == args.warmup + args.steps - 1:
                 synchronize()
                 self.seconds = (time.perf_counter() - self._started) / args.steps
+                self.thread_cpu = (time.thread_time() - self._cpu_started[0]) / args.steps
+                self.process_cpu = (time.process_time() - self._cpu_started[1]) / args.steps
             elif i == args.warmup + args.steps + args.profile_steps - 1 and self._profiler is not None:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
                 self._warnings.__exit__(None, None, None)
-                self.syncs = sum("synchronizing" in str(w.message) for w in self._caught)
+                syncs = [w for w in self._caught if "synchronizing" in str(w.message)]
+                self.syncs = len(syncs)
+                for w in syncs:
+                    site = f"{w.filename}:{w.lineno}"
+                    self.sync_sites[site] = self.sync_sites.get(site, 0) + 1
                 synchronize()
                 self._profiler.__exit__(None, None, None)
+                if self.trace is not None:
+                    self._write_trace(self.trace)
                 kernels = [
                     (event.time_range.start, event.time_range.end)
                     for event in self._profiler.events()
@@ -200,6 +222,17 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
                     [a.key, round(a.self_cpu_time_total / 1e3 / args.profile_steps, 3), a.count] for a in averages[:25]
                 ]
 
+        def _write_trace(self, path: Path) -> None:
+            import gzip
+            import shutil
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plain = path.with_suffix("")  # name.json.gz -> name.json
+            self._profiler.export_chrome_trace(str(plain))
+            with plain.open("rb") as source, gzip.open(path, "wb") as target:
+                shutil.copyfileobj(source, target)
+            plain.unlink()
+
     torch.backends.cuda.matmul.allow_tf32 = False
     records = []
     for precision, size in configs:
@@ -207,6 +240,8 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
         torch.manual_seed(0)
         strategy: Any = {"plain": "auto", "ddp": DDPStrategy(), "ft": FTStrategy()}[mode]
         clock = Clock()
+        if args.trace_dir is not None:
+            clock.trace = args.trace_dir / f"{mode}_{precision}_{size}.json.gz"
         trainer = pl.Trainer(
             accelerator="gpu" if cuda else "cpu",
             devices=1,
@@ -229,6 +264,9 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             "step_ms": clock.seconds * 1e3 if clock.seconds is not None else None,
             "gpu_idle_ms": clock.idle * 1e3 if clock.idle is not None else None,
             "implicit_syncs_per_step": clock.syncs / args.profile_steps if clock.syncs is not None else None,
+            "implicit_sync_sites": clock.sync_sites,
+            "thread_cpu_ms_per_step": clock.thread_cpu * 1e3 if clock.thread_cpu is not None else None,
+            "process_cpu_ms_per_step": clock.process_cpu * 1e3 if clock.process_cpu is not None else None,
             "top_cpu_ms_per_step": clock.top_cpu,
         }
         records.append(record)
@@ -242,10 +280,13 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
 # --- the driver -------------------------------------------------------------------------------------------------
 
 
-def worker_command(mode: str, args: argparse.Namespace, result: Path) -> list[str]:
+def worker_command(mode: str, args: argparse.Namespace, result: Path, trace: bool = False) -> list[str]:
+    """One mode's process; ``trace``: it writes its profiled steps' Chrome traces into ``args.trace_dir``."""
     command = module_command(__spec__.name, f"--worker={mode}", f"--result={result}")
     command += ["--precisions", *args.precisions, "--sizes", *args.sizes]
     command += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--profile-steps={args.profile_steps}"]
+    if trace and args.trace_dir is not None:
+        command.append(f"--trace-dir={args.trace_dir}")
     return command + (["--tiny"] if args.tiny else [])
 
 
@@ -254,11 +295,12 @@ def mode_order(modes: list[str], repeat: int) -> list[str]:
     return list(modes) if repeat % 2 == 0 else list(reversed(modes))
 
 
-def run_mode(mode: str, args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+def run_mode(mode: str, args: argparse.Namespace, scratch: Path, trace: bool = False) -> list[dict[str, Any]]:
     result = scratch / f"{mode}.json"
     result.unlink(missing_ok=True)
     env = {**repo_env(), "PYTHONUNBUFFERED": "1"}
-    completed = subprocess.run(worker_command(mode, args, result), env=env, timeout=WORKER_TIMEOUT_S, check=False)
+    command = worker_command(mode, args, result, trace)
+    completed = subprocess.run(command, env=env, timeout=WORKER_TIMEOUT_S, check=False)
     if completed.returncode != 0:
         print(f"gpu_step: mode {mode} exited {completed.returncode}", file=sys.stderr)
     return json.loads(result.read_text()) if result.exists() else []
@@ -297,20 +339,23 @@ def table(results: dict[str, Any]) -> str:
         f"GPU: {results.get('gpu', '?')}; torch {results.get('torch', '?')}; commit {results.get('commit', '?')}",
         "",
         "| precision | step | mode | step ms (median) | × plain, each repetition | GPU idle ms/step "
-        "| implicit syncs/step |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| implicit syncs/step | CPU ms/step, training thread / process |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def median_of(records: list[dict[str, Any]], key: str) -> str:
+        values = [r[key] for r in records if r.get(key) is not None]
+        return f"{median(values):.{1 if key == 'implicit_syncs_per_step' else 2}f}" if values else ""
+
     for precision, size, mode in keys:
         mine = [r for r in rows if (r["precision"], r["size"], r["mode"]) == (precision, size, mode)]
-        steps = [r["step_ms"] for r in mine if r["step_ms"] is not None]
         each = ", ".join(f"{r['ratio_to_plain']:.3f}" for r in mine if r["ratio_to_plain"] is not None)
-        idle = [r["gpu_idle_ms"] for r in mine if r["gpu_idle_ms"] is not None]
-        syncs = [r["implicit_syncs_per_step"] for r in mine if r["implicit_syncs_per_step"] is not None]
+        cpu = median_of(mine, "thread_cpu_ms_per_step")
+        if cpu:
+            cpu += f" / {median_of(mine, 'process_cpu_ms_per_step')}"
         lines.append(
-            f"| {precision} | {size} | {mode} | {median(steps):.2f} | {each} | "
-            f"{median(idle):.2f} | {median(syncs):.1f} |"
-            if steps and idle and syncs
-            else f"| {precision} | {size} | {mode} | {median(steps) if steps else float('nan'):.2f} | {each} | | |"
+            f"| {precision} | {size} | {mode} | {median_of(mine, 'step_ms') or 'nan'} | {each} | "
+            f"{median_of(mine, 'gpu_idle_ms')} | {median_of(mine, 'implicit_syncs_per_step')} | {cpu} |"
         )
     heal = results.get("heal")
     for row in (heal or {}).get("rows", []):
@@ -359,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats):
             records: list[dict[str, Any]] = []
             for mode in mode_order(args.modes, repeat):
-                records += run_mode(mode, args, Path(scratch))
+                records += run_mode(mode, args, Path(scratch), trace=repeat == 0)
             results["runs"].append(records)
             out.write_text(json.dumps(results, indent=1))
         if args.heal_mb and not args.tiny:

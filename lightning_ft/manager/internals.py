@@ -70,6 +70,8 @@ PRIVATE_USES = {
     "_store": "the group's store: the ManagerServer's address, this lifetime's replica id; a public replica_id()",
     "_executor": "the quorum thread, joined bounded after shutdown; a shutdown that waits with a timeout",
     "_timeout": "ProcessGroupWrapper's collective timeout; a public timeout",
+    "_errored": "ProcessGroupNCCL's abort error, read without a second device sync after the vote's; an errored() "
+    "that does not synchronize",
     "_wrap_work": "watch every operation of the process group; a cancellable work",
     "_fragments": "DiLoCo's fragments; public fragments",
     "_outer_optimizer": "a fragment's outer optimizer; a public outer_optimizer",

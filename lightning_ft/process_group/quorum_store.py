@@ -188,4 +188,10 @@ class StoreCheckedProcessGroupGloo(BoundedWaitsMixin, ProcessGroupGloo):
 
 class StoreCheckedProcessGroupNCCL(BoundedWaitsMixin, ProcessGroupNCCL):
     """torchft's ``ProcessGroupNCCL`` that fails a reconfiguration through a dead primary's store at once (its hung
-    collectives are aborted by torchft's own timer)."""
+    collectives are aborted by the step's deadline: :mod:`lightning_ft.process_group.step_deadline`)."""
+
+    def errored(self) -> Exception | None:
+        """The abort's error, if any, without torchft's second device sync: its one caller, the vote
+        (``Manager.should_commit``), synchronizes the current stream just before it asks, which is what torchft's
+        ``errored()`` does again (so that an abort that unblocked the stream is seen)."""
+        return self._errored

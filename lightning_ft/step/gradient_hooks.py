@@ -12,7 +12,9 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
   backward pass. This hook returns the process group's own future instead, with the average and the error capture
   chained to it, as DDP's built-in hooks do: at 50 M parameters that is most of the difference between a step with
   fault tolerance and one without (``docs/benchmarks.md``). It also skips ``Manager.allreduce``'s per-call
-  machinery (:func:`cross_group_average`), which on a 1 M-parameter model cost more than the collective itself.
+  machinery (:func:`cross_group_average`), which on a 1 M-parameter model cost more than the collective itself,
+  and on NCCL torchft's timers around each collective: one deadline per step bounds them all
+  (:mod:`lightning_ft.process_group.step_deadline`).
 * Averaging and the non-finite check of the averaged gradient (``FTStrategy(skip_non_finite_steps=True)``) are one
   pass over each bucket, in the allreduce's completion callback, off the training thread: GradScaler's fused kernel
   (``torch._amp_foreach_non_finite_check_and_unscale_``) multiplies by 1 / (group size × participants) and flags any
@@ -42,6 +44,7 @@ from torchft import Manager
 from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.manager.vote_inputs import host_copy
+from lightning_ft.process_group.step_deadline import StepDeadline
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft.torch_internals import non_finite_check_and_unscale, rebuild_ddp_buckets
 
@@ -56,9 +59,9 @@ class FTCommState:
     group: dist.ProcessGroup | None
     group_world_size: int
     before_allreduce: Callable[[], None] = lambda: None
-    # Whether a hung cross-group collective needs the Manager's timer to fail it (``Manager.wrap_future``); not with
-    # Gloo, whose own timeout is the same ``FTStrategy(timeout=...)``.
-    needs_manager_timeout: bool = True
+    # On NCCL: the step's collectives go straight to the NCCL group, bounded by one deadline per step, armed after the
+    # last bucket. ``None`` on Gloo, whose every operation carries ``FTStrategy(timeout=...)`` itself.
+    step_deadline: StepDeadline | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -117,7 +120,10 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     buffer = bucket.buffer()
     if state.group_world_size > 1:
         dist.all_reduce(buffer, group=state.group)
-    return cross_group_average(state, buffer, group_world_size=state.group_world_size)
+    averaged = cross_group_average(state, buffer, group_world_size=state.group_world_size)
+    if state.step_deadline is not None and bucket.is_last():
+        state.step_deadline.arm()
+    return averaged
 
 
 def cross_group_average(
@@ -131,10 +137,10 @@ def cross_group_average(
     call): after the step has errored nothing is sent; the quorum is awaited; a group that only heals this step
     sends zeros; the process group sums, and the completion callback averages (:meth:`FTCommState.average_in_place`,
     which also checks the result for inf and NaN). Errors go to
-    the Manager (``report_error``), which then votes against the step. A hung collective fails through the
-    process group's own timeout (Gloo's, set to ``FTStrategy(timeout=...)``); other process groups get the
-    Manager's timer on top (``state.needs_manager_timeout``). An allreduce that the other groups have left behind
-    fails earlier, through lightning-ft's Gloo process group (:mod:`lightning_ft.process_group.left_behind`).
+    the Manager (``report_error``), which then votes against the step. A hung collective fails through Gloo's own
+    timeout (``FTStrategy(timeout=...)``), or on NCCL through the step's one deadline (``state.step_deadline``, armed
+    by the hook after the last bucket). An allreduce that the other groups have left behind fails earlier, through
+    lightning-ft's Gloo process group (:mod:`lightning_ft.process_group.left_behind`).
     """
     manager = state.manager
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
@@ -142,8 +148,12 @@ def cross_group_average(
     divisor = group_world_size * manager.num_participants()  # waits for the quorum, as torchft's does
     if not manager.is_participating():
         buffer.zero_()
+    deadline = state.step_deadline
     try:
-        work = cross_group_process_group(manager).allreduce([buffer], _SUM)
+        if deadline is not None:
+            work = deadline.allreduce([buffer], _SUM)
+        else:
+            work = cross_group_process_group(manager).allreduce([buffer], _SUM)
     except Exception as error:
         _report(manager, error)
         return _completed(buffer)
@@ -159,8 +169,8 @@ def cross_group_average(
         return buffer
 
     averaged = work.get_future().then(average)
-    if state.needs_manager_timeout:
-        return manager.wrap_future(averaged, default=buffer)
+    if deadline is not None:
+        deadline.launched(averaged)
     return averaged
 
 
@@ -209,16 +219,15 @@ def install_ddp_cross_group_hook(
     (:func:`pin_bucket_layout`); one group has no other group's layout to match and keeps DDP's own.
 
     Gloo's own timeout bounds a hung allreduce (and lightning-ft's Gloo process group gives up one that the other
-    members have left behind: :mod:`lightning_ft.process_group.left_behind`); other process groups get the Manager's
-    timer on top of their own timeout.
+    members have left behind: :mod:`lightning_ft.process_group.left_behind`); on NCCL one deadline per step does
+    (:class:`~lightning_ft.process_group.step_deadline.StepDeadline`).
     """
-    gloo = crosses_groups_over_gloo(manager)
     state = FTCommState(
         manager=manager,
         group=None,
         group_world_size=group_size,
         before_allreduce=protocol.before_cross_group_allreduce,
-        needs_manager_timeout=not gloo,
+        step_deadline=None if crosses_groups_over_gloo(manager) else StepDeadline(manager),
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     if several_groups and not model.find_unused_parameters:

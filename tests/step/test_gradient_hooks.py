@@ -78,9 +78,12 @@ class Bucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def is_last(self) -> bool:
+        return True
+
 
 def hook_state(manager: FakeManager, **settings) -> FTCommState:
-    return FTCommState(manager=manager, group=None, group_world_size=1, needs_manager_timeout=False, **settings)
+    return FTCommState(manager=manager, group=None, group_world_size=1, **settings)
 
 
 def test_hook_returns_a_completed_future_when_the_process_group_refuses_the_allreduce():
@@ -139,14 +142,6 @@ def test_a_group_that_heals_this_step_sends_zeros():
     assert torch.equal(manager._pg.sent[0], torch.zeros(4))
     manager._pg.work.future.set_result([torch.full((4,), 8.0)])
     future.wait()
-
-
-@pytest.mark.parametrize("needs_timeout", [True, False])
-def test_the_managers_timer_is_added_only_where_the_process_group_has_no_timeout_of_its_own(needs_timeout):
-    manager = FakeManager()
-    state = FTCommState(manager=manager, group=None, group_world_size=1, needs_manager_timeout=needs_timeout)
-    ft_allreduce_hook(state, Bucket(torch.ones(2)))
-    assert manager.wrapped == int(needs_timeout)
 
 
 def test_a_non_finite_average_is_flagged_until_the_step_takes_the_check():

@@ -1,0 +1,80 @@
+"""One deadline for a step's cross-group collectives on NCCL, instead of torchft's timers around each one.
+
+torchft's reconfigurable NCCL process group bounds every collective with timers on torchft's timeout thread: one
+around the launch and two more when its future completes (``_WorkAcceleratorTimeout``), and ``Manager.wrap_future``
+adds a fourth. With DDP's buckets that is four wake-ups of that thread per bucket (36 per step for a 134 M MLP), each
+taking the GIL from the backward pass that launches the next bucket.
+
+Here the DDP hook launches each bucket's allreduce on the NCCL group under torchft's wrapper (its ``parent``), and
+one timer per step bounds them all. NCCL runs a communicator's collectives in order on one stream, and the hook's
+averaging of the last bucket waits for that bucket's allreduce, so a CUDA event recorded after it (torchft's
+``stream_timeout``, armed by :meth:`StepDeadline.arm` when the last bucket is launched) completes only once every
+collective of the step has. If it has not within the process group's timeout (``FTStrategy(timeout=...)``), the
+process group is aborted exactly as torchft's own timer would abort it: torchft's ``errored()`` reports it, the vote
+says no, and the next quorum builds a new NCCL group. The hang bound stays the timeout, counted from the last bucket.
+
+What the wrapper's per-collective timer around the launch covered, a launch that blocks on the host, cannot happen
+on these communicators: torchft makes them non-blocking (``config.blocking = False``), and torch bounds a
+non-blocking communicator's wait by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which torchft sets to the same timeout.
+
+Gloo needs none of this: each Gloo operation carries the timeout itself (and lightning-ft's Gloo group gives up one
+the others left behind, :mod:`lightning_ft.process_group.left_behind`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torchft import Manager
+from torchft.futures import stream_timeout
+
+from lightning_ft.manager.internals import cross_group_process_group, process_group_timeout
+
+log = logging.getLogger("lightning.pytorch.lightning_ft")
+
+
+class StepDeadline:
+    """Launches a step's cross-group allreduces straight on the NCCL group, and bounds them with one timer.
+
+    Args:
+        manager: This group's torchft Manager; its process group (``Manager._pg``) is torchft's reconfigurable NCCL
+            group, whose current inner group changes at each reconfiguration.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self._last: torch.futures.Future[Any] | None = None
+        self.armed = 0  # timers armed so far, one per step that launched a collective
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """An allreduce on the NCCL group of the current quorum, without the wrapper's timers."""
+        return cross_group_process_group(self.manager).parent.allreduce(tensors, opts)
+
+    def launched(self, completion: torch.futures.Future[Any]) -> None:
+        """``completion`` (the bucket's averaged result, which waits for its allreduce) is the step's latest."""
+        self._last = completion
+
+    def arm(self) -> None:
+        """The step's last bucket is launched: one timer on the whole step's collectives, if any was launched.
+
+        The timer's CUDA event is recorded in a callback of the last completion, on the stream that callback runs
+        on, which waits for that completion, which waits for the step's last allreduce (and so for all of them).
+        """
+        last, self._last = self._last, None
+        if last is None:
+            return
+        process_group = cross_group_process_group(self.manager)
+        timeout = process_group_timeout(process_group)
+
+        def abort() -> None:  # on torchft's timeout thread, which must not block: torchft's own timer does the same
+            log.error(
+                "lightning-ft: a cross-group collective did not finish within %s; aborting the cross-group process "
+                "group (this step will not commit, the next quorum builds a new one)",
+                timeout,
+            )
+            process_group.abort()
+
+        last.add_done_callback(lambda _: stream_timeout(abort, timeout))
+        self.armed += 1

@@ -1,0 +1,157 @@
+"""On NCCL a step's cross-group allreduces go straight to the NCCL group and one deadline per step bounds them all,
+armed after the last bucket; when it expires, the process group is aborted (what torchft's ``errored()`` reports).
+
+On the CPU the NCCL group is a stand-in with torchft's wrapper's shape (``parent``, ``abort``, ``_timeout``) under a
+real DDP model of several buckets; on a GPU the timer is torchft's own, on a real CUDA stream."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lightning_ft.process_group import step_deadline
+from lightning_ft.process_group.step_deadline import StepDeadline
+from lightning_ft.step.gradient_hooks import FTCommState, ft_allreduce_hook
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class RecordingGroup:
+    """The NCCL group under torchft's wrapper: completes every allreduce at once, recording it."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> object:
+        self.log.append("allreduce")
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result(tensors)
+        return type("Work", (), {"get_future": lambda self: future})()
+
+
+class NCCLWrapper:
+    """torchft's reconfigurable NCCL process group, as the hook and the deadline see it."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.parent = RecordingGroup(log)
+        self._timeout = timedelta(seconds=7)
+        self.aborted = 0
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> object:
+        raise AssertionError("the wrapper's allreduce (a timer around every collective) was used")
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+@dataclass
+class FakeManager:
+    log: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    wrapped: int = 0
+
+    def __post_init__(self) -> None:
+        self._pg = NCCLWrapper(self.log)
+
+    def errored(self) -> object:
+        return self.error
+
+    def num_participants(self) -> int:
+        return 2
+
+    def is_participating(self) -> bool:
+        return True
+
+    def report_error(self, error: BaseException) -> None:
+        self.error = error
+
+    def wrap_future(self, future: object, default: object) -> object:
+        self.wrapped += 1
+        return future
+
+
+def record_timers(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> list[tuple[object, timedelta]]:
+    """torchft's ``stream_timeout`` as the deadline calls it: each (callback, timeout), and "deadline" in ``log``."""
+    armed: list[tuple[object, timedelta]] = []
+
+    def stream_timeout(callback: object, timeout: timedelta) -> None:
+        armed.append((callback, timeout))
+        log.append("deadline")
+
+    monkeypatch.setattr(step_deadline, "stream_timeout", stream_timeout)
+    return armed
+
+
+def several_bucket_model() -> torch.nn.parallel.DistributedDataParallel:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, 0, 1))
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    layers = [torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8)]
+    return torch.nn.parallel.DistributedDataParallel(  # FTStrategy's default search: the same buckets every step
+        torch.nn.Sequential(*layers), process_group=group, bucket_cap_mb=1, find_unused_parameters=True
+    )
+
+
+def test_each_step_launches_on_the_nccl_group_and_arms_one_deadline_after_its_last_bucket(monkeypatch):
+    manager = FakeManager()
+    timers = record_timers(monkeypatch, manager.log)
+    deadline = StepDeadline(manager)  # type: ignore[arg-type]
+    state = FTCommState(manager=manager, group=None, group_world_size=1, step_deadline=deadline)  # type: ignore[arg-type]
+    model = several_bucket_model()
+    model.register_comm_hook(state, ft_allreduce_hook)
+    for _ in range(3):
+        model(torch.randn(3, 64)).sum().backward()
+    steps = "".join("A" if entry == "allreduce" else "|" for entry in manager.log).split("|")[:-1]
+    assert len(steps) == 3 and len(set(steps)) == 1, manager.log  # each step: its allreduces, then one deadline
+    assert len(steps[0]) > 1, "the model must make several buckets, so that a timer per bucket would show"
+    assert len(timers) == deadline.armed == 3
+    assert manager.wrapped == 0 and manager.error is None  # no Manager timer per bucket either
+    callback, timeout = timers[-1]
+    assert timeout == timedelta(seconds=7)  # the process group's own timeout, FTStrategy(timeout=...)
+    callback()  # the deadline expires: the process group is aborted, as torchft's own timer would
+    assert manager._pg.aborted == 1
+
+
+def test_a_step_that_launched_nothing_arms_no_deadline(monkeypatch):
+    manager = FakeManager(error=RuntimeError("an earlier failure"))
+    timers = record_timers(monkeypatch, manager.log)
+    state = FTCommState(manager=manager, group=None, group_world_size=1, step_deadline=StepDeadline(manager))  # type: ignore[arg-type]
+    model = several_bucket_model()
+    model.register_comm_hook(state, ft_allreduce_hook)
+    model(torch.randn(3, 64)).sum().backward()
+    assert manager.log == [] and timers == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_deadline_waits_for_the_steps_collectives_and_aborts_a_stalled_stream():
+    """torchft's own ``stream_timeout``: a completion whose stream is still busy (a kernel that sleeps longer than
+    the timeout) when the deadline comes aborts the process group; one that is done by then does not."""
+
+    def completion(sleep_s: float) -> torch.futures.Future[torch.Tensor]:
+        tensor = torch.ones(4, device="cuda")
+        if sleep_s:
+            torch.cuda._sleep(int(sleep_s * 2e9))  # cycles, at about 2 GHz: the stream is busy that long
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[torch.device("cuda")])
+        future.set_result(tensor.mul_(2))
+        return future
+
+    for sleep_s, expect_abort in ((4.0, True), (0.0, False)):
+        manager = FakeManager()
+        manager._pg._timeout = timedelta(seconds=1)
+        deadline = StepDeadline(manager)  # type: ignore[arg-type]
+        deadline.launched(completion(sleep_s))
+        deadline.arm()
+        give_up = time.monotonic() + 10
+        while manager._pg.aborted == 0 and time.monotonic() < give_up and expect_abort:
+            time.sleep(0.05)
+        if not expect_abort:
+            time.sleep(2.0)  # past the deadline: the event completed at once, so no abort may come
+        torch.cuda.synchronize()
+        assert manager._pg.aborted == int(expect_abort), (sleep_s, manager._pg.aborted)
