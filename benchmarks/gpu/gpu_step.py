@@ -1,8 +1,11 @@
 """On one GPU: the step time of FTStrategy against the same Trainer without fault tolerance (issue 36).
 
-Three modes, each in its own process, on the one GPU in turn:
+Four modes, each in its own process, on the one GPU in turn:
 
 * ``plain``: Lightning's default strategy on one device, no fault tolerance;
+* ``plain-sync``: the same, with one synchronization of the current stream per step, after gradient clipping and
+  before the optimizer's update, where torchft's vote (``Manager.should_commit``) synchronizes: the least any step
+  with that vote can cost, since the GPU idles from there until the optimizer's first kernel is launched;
 * ``ddp``: ``DDPStrategy`` with one process (NCCL);
 * ``ft``: ``FTStrategy()`` with one replica group of one process (NCCL inside the group and across groups, the
   embedded lighthouse): every per-step piece of fault tolerance runs (quorum, vote, the cross-group allreduce of
@@ -13,8 +16,8 @@ on a batch made on the device, in every configuration: precision (``32-true``, `
 sized for about 10 ms and about 100 ms per step on an H100/H200). A configuration's figure is the mean step time over
 ``--steps`` steps after ``--warmup``, from a device sync to a device sync. Then ``--profile-steps`` steps run under
 ``torch.profiler``: the GPU idle time per step is the part of that window no kernel covers, and
-``torch.cuda.set_sync_debug_mode`` counts the implicit host-device syncs per step (torchft's vote synchronizes the
-stream explicitly, once per step, which the debug mode does not count). Repetitions alternate the order of the modes;
+``torch.cuda.set_sync_debug_mode`` counts the host-device syncs per step (torchft's vote's stream synchronization
+included). Repetitions alternate the order of the modes;
 a configuration's ratio is ``ft`` ÷ ``plain`` of the same repetition (and ``ddp`` ÷ ``plain`` beside it).
 
 Beside the step time, each record holds the CPU time per measured step of the training thread and of the whole process
@@ -47,7 +50,7 @@ from typing import Any
 from benchmarks.common.results import header, new_results_file
 from benchmarks.common.run_util import median, module_command, repo_env
 
-MODES = ("plain", "ddp", "ft")
+MODES = ("plain", "plain-sync", "ddp", "ft")
 PRECISIONS = ("32-true", "bf16-mixed")
 SIZES = ("10ms", "100ms")
 WIDTH, DEPTH = 4096, 8
@@ -155,6 +158,11 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
+        def configure_gradient_clipping(self, optimizer: Any, **clipping: Any) -> None:
+            super().configure_gradient_clipping(optimizer, **clipping)
+            if mode == "plain-sync" and cuda:  # as torchft's vote does: after clipping, before the update
+                torch.cuda.current_stream().synchronize()
+
     class Clock(pl.Callback):
         """Device-synced times at the measurement's ends; the profiler and sync counting over the last steps."""
 
@@ -238,7 +246,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
     for precision, size in configs:
         rows = 32 if args.tiny else BATCH[(precision, size)]
         torch.manual_seed(0)
-        strategy: Any = {"plain": "auto", "ddp": DDPStrategy(), "ft": FTStrategy()}[mode]
+        strategy: Any = {"plain": "auto", "plain-sync": "auto", "ddp": DDPStrategy(), "ft": FTStrategy()}[mode]
         clock = Clock()
         if args.trace_dir is not None:
             clock.trace = args.trace_dir / f"{mode}_{precision}_{size}.json.gz"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_defaults_cover_every_mode_precision_and_step_size():
     args = gpu_step.parse_args([])
-    assert args.modes == ["plain", "ddp", "ft"] and args.repeats == 2 and args.heal_mb == 1000
+    assert args.modes == ["plain", "plain-sync", "ddp", "ft"] and args.repeats == 2 and args.heal_mb == 1000
     assert {(p, s) for p in args.precisions for s in args.sizes} == set(gpu_step.BATCH)
 
 

@@ -138,7 +138,8 @@ def test_on_a_gpu_the_deadline_waits_for_the_steps_collectives_and_aborts_a_stal
         tensor = torch.ones(4, device="cuda")
         if sleep_s:
             torch.cuda._sleep(int(sleep_s * 2e9))  # cycles, at about 2 GHz: the stream is busy that long
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[torch.device("cuda")])
+        device = torch.device("cuda", torch.cuda.current_device())
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[device])
         future.set_result(tensor.mul_(2))
         return future
 
