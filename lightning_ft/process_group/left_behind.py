@@ -39,7 +39,8 @@ heal, never a wrong weight.
 The signal needs no lighthouse: it works with the embedded one, an external one and any torchft release that keeps
 the process group's store prefix per quorum. If the quorum's store cannot be read, the watchdog logs once and the
 Gloo timeout bounds the stall as before. Steady-state training never reads it: a collective takes milliseconds, not
-``check_after``. NCCL's hung collectives are aborted by torchft's own timer (``Manager.wrap_future``) instead.
+``check_after``. NCCL's hung collectives are aborted by the step's deadline instead
+(:mod:`lightning_ft.process_group.step_deadline`).
 """
 
 from __future__ import annotations

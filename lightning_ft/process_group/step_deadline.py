@@ -6,12 +6,15 @@ adds a fourth. With DDP's buckets that is four wake-ups of that thread per bucke
 taking the GIL from the backward pass that launches the next bucket.
 
 Here the DDP hook launches each bucket's allreduce on the NCCL group under torchft's wrapper (its ``parent``), and
-one timer per step bounds them all. NCCL runs a communicator's collectives in order on one stream, and the hook's
-averaging of the last bucket waits for that bucket's allreduce, so a CUDA event recorded after it (torchft's
-``stream_timeout``, armed by :meth:`StepDeadline.arm` when the last bucket is launched) completes only once every
-collective of the step has. If it has not within the process group's timeout (``FTStrategy(timeout=...)``), the
-process group is aborted exactly as torchft's own timer would abort it: torchft's ``errored()`` reports it, the vote
-says no, and the next quorum builds a new NCCL group. The hang bound stays the timeout, counted from the last bucket.
+one timer per step bounds them all. NCCL runs a communicator's collectives in order on one stream. When the hook has
+launched the step's last bucket, :meth:`StepDeadline.arm` makes the current stream wait for that bucket's averaged
+result (a CUDA future's ``wait()``: the stream waits, the host does not; DDP's own end of the backward pass does the
+same for every bucket), then records a CUDA event on it with torchft's ``stream_timeout``: the event completes only
+once every collective of the step has, which is torchft's own pattern for a collective's wait
+(``_WorkAcceleratorTimeout.wait``). If it has not within the process group's timeout (``FTStrategy(timeout=...)``),
+the process group is aborted exactly as torchft's own timer would abort it: torchft's ``errored()`` reports it, the
+vote says no, and the next quorum builds a new NCCL group. The hang bound stays the timeout, counted from the last
+bucket.
 
 What the wrapper's per-collective timer around the launch covered, a launch that blocks on the host, cannot happen
 on these communicators: torchft makes them non-blocking (``config.blocking = False``), and torch bounds a
@@ -59,8 +62,8 @@ class StepDeadline:
     def arm(self) -> None:
         """The step's last bucket is launched: one timer on the whole step's collectives, if any was launched.
 
-        The timer's CUDA event is recorded in a callback of the last completion, on the stream that callback runs
-        on, which waits for that completion, which waits for the step's last allreduce (and so for all of them).
+        The current stream first waits for the last completion (which waits for the step's last allreduce, and so for
+        all of them); the timer's CUDA event is recorded after that wait.
         """
         last, self._last = self._last, None
         if last is None:
@@ -76,5 +79,12 @@ class StepDeadline:
             )
             process_group.abort()
 
-        last.add_done_callback(lambda _: stream_timeout(abort, timeout))
         self.armed += 1
+        if not last.done():  # not NCCL's future, complete at launch: time the stream from its completion instead
+            last.add_done_callback(lambda _: stream_timeout(abort, timeout))
+            return
+        try:
+            last.wait()  # a CUDA future: the current stream waits for it, the host does not
+        except Exception:  # the completion reported its own failure to the Manager (the step will not commit)
+            return
+        stream_timeout(abort, timeout)

@@ -129,30 +129,60 @@ def test_a_step_that_launched_nothing_arms_no_deadline(monkeypatch):
     assert manager.log == [] and timers == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_deadline_waits_for_the_steps_collectives_and_aborts_a_stalled_stream():
-    """torchft's own ``stream_timeout``: a completion whose stream is still busy (a kernel that sleeps longer than
-    the timeout) when the deadline comes aborts the process group; one that is done by then does not."""
+def stalled_completion(sleep_s: float) -> torch.futures.Future[torch.Tensor]:
+    """A CUDA future completed at once, as NCCL's are at launch, whose events come after a kernel that keeps the
+    current stream busy for ``sleep_s`` seconds (0: none)."""
+    tensor = torch.ones(4, device="cuda")
+    if sleep_s:
+        torch.cuda._sleep(int(sleep_s * 2e9))  # cycles: at least sleep_s at a clock of 2 GHz or less
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[tensor.device])
+    future.set_result(tensor.mul_(2))
+    return future
 
-    def completion(sleep_s: float) -> torch.futures.Future[torch.Tensor]:
-        tensor = torch.ones(4, device="cuda")
-        if sleep_s:
-            torch.cuda._sleep(int(sleep_s * 2e9))  # cycles, at about 2 GHz: the stream is busy that long
-        device = torch.device("cuda", torch.cuda.current_device())
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[device])
-        future.set_result(tensor.mul_(2))
-        return future
 
-    for sleep_s, expect_abort in ((4.0, True), (0.0, False)):
-        manager = FakeManager()
-        manager._pg._timeout = timedelta(seconds=1)
-        deadline = StepDeadline(manager)  # type: ignore[arg-type]
-        deadline.launched(completion(sleep_s))
-        deadline.arm()
-        give_up = time.monotonic() + 10
-        while manager._pg.aborted == 0 and time.monotonic() < give_up and expect_abort:
-            time.sleep(0.05)
-        if not expect_abort:
-            time.sleep(2.0)  # past the deadline: the event completed at once, so no abort may come
-        torch.cuda.synchronize()
-        assert manager._pg.aborted == int(expect_abort), (sleep_s, manager._pg.aborted)
+def aborts_within(manager: FakeManager, seconds: float) -> int:
+    """The aborts seen once ``seconds`` have passed or the first abort came, the device drained after."""
+    give_up = time.monotonic() + seconds
+    while manager._pg.aborted == 0 and time.monotonic() < give_up:
+        time.sleep(0.05)
+    aborted = manager._pg.aborted
+    torch.cuda.synchronize()
+    return aborted
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda_only
+def test_on_a_gpu_torchfts_stream_timeout_fires_on_a_stalled_stream():
+    """The control: torchft's timer alone, on the current stream, behind a kernel that outlasts it."""
+    from torchft.futures import stream_timeout
+
+    fired: list[bool] = []
+    torch.cuda._sleep(int(3.0 * 2e9))  # cycles: at least 3 s at a clock of 2 GHz or less
+    stream_timeout(lambda: fired.append(True), timedelta(seconds=0.5))
+    give_up = time.monotonic() + 10
+    while not fired and time.monotonic() < give_up:
+        time.sleep(0.05)
+    torch.cuda.synchronize()
+    assert fired
+
+
+@cuda_only
+def test_on_a_gpu_the_deadline_aborts_when_the_steps_last_collective_has_not_finished():
+    manager = FakeManager()
+    manager._pg._timeout = timedelta(seconds=0.5)
+    deadline = StepDeadline(manager)  # type: ignore[arg-type]
+    deadline.launched(stalled_completion(3.0))
+    deadline.arm()
+    assert aborts_within(manager, 10.0) == 1
+
+
+@cuda_only
+def test_on_a_gpu_the_deadline_stays_quiet_when_the_steps_collectives_finish_in_time():
+    manager = FakeManager()
+    manager._pg._timeout = timedelta(seconds=0.5)
+    deadline = StepDeadline(manager)  # type: ignore[arg-type]
+    deadline.launched(stalled_completion(0.0))
+    deadline.arm()
+    assert aborts_within(manager, 2.0) == 0  # well past the deadline: its event completed at once
