@@ -169,20 +169,16 @@ def test_on_a_gpu_torchfts_stream_timeout_fires_on_a_stalled_stream():
 
 
 @cuda_only
-def test_on_a_gpu_the_deadline_aborts_when_the_steps_last_collective_has_not_finished():
+@pytest.mark.parametrize(
+    ("sleep_s", "wait_s", "aborts"),
+    [(3.0, 10.0, 1), (0.0, 2.0, 0)],
+    ids=["aborts-when-the-last-collective-has-not-finished", "quiet-when-the-collectives-finish-in-time"],
+)
+def test_on_a_gpu_the_deadline_times_the_steps_collectives(sleep_s: float, wait_s: float, aborts: int):
+    """A 0.5-s deadline behind a kernel that outlasts it aborts; behind none, nothing comes well past it."""
     manager = FakeManager()
     manager._pg._timeout = timedelta(seconds=0.5)
     deadline = StepDeadline(manager)  # type: ignore[arg-type]
-    deadline.launched(stalled_completion(3.0))
+    deadline.launched(stalled_completion(sleep_s))
     deadline.arm()
-    assert aborts_within(manager, 10.0) == 1
-
-
-@cuda_only
-def test_on_a_gpu_the_deadline_stays_quiet_when_the_steps_collectives_finish_in_time():
-    manager = FakeManager()
-    manager._pg._timeout = timedelta(seconds=0.5)
-    deadline = StepDeadline(manager)  # type: ignore[arg-type]
-    deadline.launched(stalled_completion(0.0))
-    deadline.arm()
-    assert aborts_within(manager, 2.0) == 0  # well past the deadline: its event completed at once
+    assert aborts_within(manager, wait_s) == aborts
