@@ -27,13 +27,11 @@ the others left behind, :mod:`lightning_ft.process_group.left_behind`).
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
-from torchft import Manager
 from torchft.futures import stream_timeout
-
-from lightning_ft.manager.internals import cross_group_process_group, process_group_timeout
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
 
@@ -42,18 +40,20 @@ class StepDeadline:
     """Launches a step's cross-group allreduces straight on the NCCL group, and bounds them with one timer.
 
     Args:
-        manager: This group's torchft Manager; its process group (``Manager._pg``) is torchft's reconfigurable NCCL
-            group, whose current inner group changes at each reconfiguration.
+        process_group: torchft's reconfigurable NCCL group, the Manager's for its whole life (its inner NCCL group,
+            ``parent``, changes at each reconfiguration).
+        timeout: How long the step's collectives may take, counted from the last bucket: the process group's own.
     """
 
-    def __init__(self, manager: Manager) -> None:
-        self.manager = manager
+    def __init__(self, process_group: Any, timeout: timedelta) -> None:
+        self.process_group = process_group
+        self.timeout = timeout
         self._last: torch.futures.Future[Any] | None = None
         self.armed = 0  # timers armed so far, one per step that launched a collective
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """An allreduce on the NCCL group of the current quorum, without the wrapper's timers."""
-        return cross_group_process_group(self.manager).parent.allreduce(tensors, opts)
+        return self.process_group.parent.allreduce(tensors, opts)
 
     def launched(self, completion: torch.futures.Future[Any]) -> None:
         """``completion`` (the bucket's averaged result, which waits for its allreduce) is the step's latest."""
@@ -68,8 +68,7 @@ class StepDeadline:
         last, self._last = self._last, None
         if last is None:
             return
-        process_group = cross_group_process_group(self.manager)
-        timeout = process_group_timeout(process_group)
+        process_group, timeout = self.process_group, self.timeout
 
         def abort() -> None:  # on torchft's timeout thread, which must not block: torchft's own timer does the same
             log.error(

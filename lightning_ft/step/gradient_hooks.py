@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
 from lightning_ft.errors import UnsupportedModelError
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo, process_group_timeout
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.process_group.step_deadline import StepDeadline
 from lightning_ft.step.protocol import StepProtocol
@@ -227,12 +227,17 @@ def install_ddp_cross_group_hook(
         group=None,
         group_world_size=group_size,
         before_allreduce=protocol.before_cross_group_allreduce,
-        step_deadline=None if crosses_groups_over_gloo(manager) else StepDeadline(manager),
+        step_deadline=None if crosses_groups_over_gloo(manager) else _step_deadline(manager),
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     if several_groups and not model.find_unused_parameters:
         pin_bucket_layout(model)
     return state
+
+
+def _step_deadline(manager: Manager) -> StepDeadline:
+    process_group = cross_group_process_group(manager)
+    return StepDeadline(process_group, process_group_timeout(process_group))
 
 
 def pin_bucket_layout(model: DistributedDataParallel) -> None:

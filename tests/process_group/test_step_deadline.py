@@ -15,7 +15,7 @@ import torch
 
 from lightning_ft.process_group import step_deadline
 from lightning_ft.process_group.step_deadline import StepDeadline
-from lightning_ft.step.gradient_hooks import FTCommState, ft_allreduce_hook
+from lightning_ft.step.gradient_hooks import FTCommState, _step_deadline, ft_allreduce_hook
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +102,7 @@ def several_bucket_model() -> torch.nn.parallel.DistributedDataParallel:
 def test_each_step_launches_on_the_nccl_group_and_arms_one_deadline_after_its_last_bucket(monkeypatch):
     manager = FakeManager()
     timers = record_timers(monkeypatch, manager.log)
-    deadline = StepDeadline(manager)  # type: ignore[arg-type]
+    deadline = _step_deadline(manager)  # type: ignore[arg-type]  # what the hook's installation builds on NCCL
     state = FTCommState(manager=manager, group=None, group_world_size=1, step_deadline=deadline)  # type: ignore[arg-type]
     model = several_bucket_model()
     model.register_comm_hook(state, ft_allreduce_hook)
@@ -122,7 +122,8 @@ def test_each_step_launches_on_the_nccl_group_and_arms_one_deadline_after_its_la
 def test_a_step_that_launched_nothing_arms_no_deadline(monkeypatch):
     manager = FakeManager(error=RuntimeError("an earlier failure"))
     timers = record_timers(monkeypatch, manager.log)
-    state = FTCommState(manager=manager, group=None, group_world_size=1, step_deadline=StepDeadline(manager))  # type: ignore[arg-type]
+    deadline = StepDeadline(manager._pg, manager._pg._timeout)
+    state = FTCommState(manager=manager, group=None, group_world_size=1, step_deadline=deadline)  # type: ignore[arg-type]
     model = several_bucket_model()
     model.register_comm_hook(state, ft_allreduce_hook)
     model(torch.randn(3, 64)).sum().backward()
@@ -178,7 +179,7 @@ def test_on_a_gpu_the_deadline_times_the_steps_collectives(sleep_s: float, wait_
     """A 0.5-s deadline behind a kernel that outlasts it aborts; behind none, nothing comes well past it."""
     manager = FakeManager()
     manager._pg._timeout = timedelta(seconds=0.5)
-    deadline = StepDeadline(manager)  # type: ignore[arg-type]
+    deadline = StepDeadline(manager._pg, manager._pg._timeout)
     deadline.launched(stalled_completion(sleep_s))
     deadline.arm()
     assert aborts_within(manager, wait_s) == aborts
