@@ -113,8 +113,7 @@ class FTStrategy(FTStrategyArguments):
 
     @property
     def telemetry(self) -> FTTelemetry:
-        """This group's fault-tolerance figures (quorum waits, heals, votes), while fitting, validating or testing
-        (else ``NotAvailableError``)."""
+        """This group's fault-tolerance figures (quorum waits, heals, votes), in a fit, validation or test."""
         return self._parts("telemetry").telemetry
 
     @property
@@ -142,8 +141,7 @@ class FTStrategy(FTStrategyArguments):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The replica group's 1-D mesh with ``data_parallel="fsdp"`` (else ``NotAvailableError``), also
-        ``LightningModule.device_mesh``."""
+        """The group's 1-D mesh with ``data_parallel="fsdp"`` (also ``LightningModule.device_mesh``), else an error."""
         if self._in_group.device_mesh is None:
             raise NotAvailableError(
                 "FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment()."
@@ -226,8 +224,7 @@ class FTStrategy(FTStrategyArguments):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """With exactly-once data, a training batch begins the step (a behind group heals here) and is checked
-        against the samples the step's quorum assigns."""
+        """With exactly-once data, a training batch begins the step and is checked against its quorum's samples."""
         trainer = self._module.trainer
         if self._exactly_once.data is not None and trainer.training:
             self.step_owner.begin(trainer)
@@ -312,9 +309,8 @@ class FTStrategy(FTStrategyArguments):
     def _register_ddp_hooks(self) -> None:
         """The cross-group comm hook; none between semi-synchronous syncs (inner steps stay in the group)."""
         if isinstance(self.model, DistributedDataParallel) and not self.algorithm.semi_sync:
-            several = self.num_replica_groups > 1
             self._comm_state = install_ddp_cross_group_hook(
-                self.model, self.manager, self.step_protocol, self.world_size, several
+                self.model, self.manager, self.step_protocol, self.world_size, self.num_replica_groups > 1
             )
 
     # ------------------------------------------------------------------ job-wide reductions
@@ -385,6 +381,13 @@ class FTStrategy(FTStrategyArguments):
         model = model or self._module
         assert isinstance(model, pl.LightningModule)  # as Lightning's Strategy.optimizer_step asserts
         return self._fit.owner.step(optimizer, closure, model, self.precision_plugin, self._comm_state, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """As ``DDPStrategy``'s; then the step owner marks what the step's vote waits for (automatic optimization)."""
+        super().post_backward(closure_loss)
+        if self._fit is not None and isinstance(self._fit.owner, StepOwner) and self._module.automatic_optimization:
+            self._fit.owner.backward_done(closure_loss, self._comm_state)
 
     # ------------------------------------------------------------------ inside the group: DDP or FSDP2
     @contextmanager

@@ -175,6 +175,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             self.thread_cpu: float | None = None  # CPU seconds per measured step: the training thread's
             self.process_cpu: float | None = None  # and the whole process's (torchft's threads included)
             self.trace: Path | None = None  # where to write the profiled steps' Chrome trace, if anywhere
+            self.votes_fenced: int | None = None  # FTStrategy's votes that waited for the backward pass's end only
             self._started = 0.0
             self._cpu_started = (0.0, 0.0)
             self._profiler: Any = None
@@ -206,6 +207,12 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
                 self.seconds = (time.perf_counter() - self._started) / args.steps
                 self.thread_cpu = (time.thread_time() - self._cpu_started[0]) / args.steps
                 self.process_cpu = (time.process_time() - self._cpu_started[1]) / args.steps
+                fence = (
+                    getattr(getattr(trainer.strategy, "step_protocol", None), "vote_fence", None)
+                    if mode == "ft"
+                    else None
+                )
+                self.votes_fenced = fence.votes_fenced if fence is not None else None
             elif i == args.warmup + args.steps + args.profile_steps - 1 and self._profiler is not None:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
@@ -276,6 +283,7 @@ def run_worker(mode: str, configs: list[tuple[str, str]], args: argparse.Namespa
             "thread_cpu_ms_per_step": clock.thread_cpu * 1e3 if clock.thread_cpu is not None else None,
             "process_cpu_ms_per_step": clock.process_cpu * 1e3 if clock.process_cpu is not None else None,
             "top_cpu_ms_per_step": clock.top_cpu,
+            "votes_fenced": clock.votes_fenced,
         }
         records.append(record)
         print(json.dumps(record), flush=True)

@@ -100,7 +100,9 @@ class CommitGatedOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
-        if not self._protocol.decided:  # both are read after the vote's device sync, before the vote is cast
+        # Both are read after the vote's device sync, before the vote is cast; queued already at the end of the
+        # backward pass where a vote fence marks it (StepOwner.backward_done).
+        if not self._protocol.decided and not self._protocol.vote_inputs_queued:
             self._protocol.read_at_vote(
                 finite=self._finite_check() if self._skip_non_finite else None,
                 loss=loss if isinstance(loss, Tensor) and loss.numel() == 1 else None,

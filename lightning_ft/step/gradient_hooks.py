@@ -43,6 +43,7 @@ from torchft import Manager
 
 from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo, process_group_timeout
+from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.process_group.step_deadline import StepDeadline
 from lightning_ft.step.protocol import StepProtocol
@@ -62,6 +63,9 @@ class FTCommState:
     # On NCCL: the step's collectives go straight to the NCCL group, bounded by one deadline per step, armed after the
     # last bucket. ``None`` on Gloo, whose every operation carries ``FTStrategy(timeout=...)`` itself.
     step_deadline: StepDeadline | None = None
+    # On NCCL and a CUDA device: the point at the end of the backward pass that the step's vote waits for, instead of
+    # every kernel queued before it (lightning_ft.manager.vote_fence). ``None`` elsewhere.
+    vote_fence: VoteFence | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -220,16 +224,21 @@ def install_ddp_cross_group_hook(
 
     Gloo's own timeout bounds a hung allreduce (and lightning-ft's Gloo process group gives up one that the other
     members have left behind: :mod:`lightning_ft.process_group.left_behind`); on NCCL one deadline per step does
-    (:class:`~lightning_ft.process_group.step_deadline.StepDeadline`).
+    (:class:`~lightning_ft.process_group.step_deadline.StepDeadline`), and on a CUDA device the protocol's vote
+    waits for the end of the backward pass only (its ``vote_fence``, :mod:`lightning_ft.manager.vote_fence`).
     """
+    over_nccl = not crosses_groups_over_gloo(manager)
+    device = next(model.parameters()).device
     state = FTCommState(
         manager=manager,
         group=None,
         group_world_size=group_size,
         before_allreduce=protocol.before_cross_group_allreduce,
-        step_deadline=None if crosses_groups_over_gloo(manager) else _step_deadline(manager),
+        step_deadline=_step_deadline(manager) if over_nccl else None,
+        vote_fence=VoteFence(device) if over_nccl and device.type == "cuda" else None,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
+    protocol.vote_fence = state.vote_fence
     if several_groups and not model.find_unused_parameters:
         pin_bucket_layout(model)
     return state

@@ -86,6 +86,25 @@ class StepOwner:
         optimization, a loss that is not a scalar tensor)."""
         self._output = output
 
+    def backward_done(self, loss: Tensor, comm_state: FTCommState | None) -> None:
+        """A backward pass of automatic optimization ended (``FTStrategy.post_backward``). On a GPU with a vote fence,
+        if its gradients crossed groups: queue the vote's inputs (the averaged gradient's non-finite check, the
+        loss) and mark the fence, before clipping and ``on_before_optimizer_step`` queue their kernels, so that the
+        vote waits for the cross-group work only (:mod:`lightning_ft.manager.vote_fence`). An accumulating
+        micro-batch (no bucket averaged) or a backward pass after the vote marks nothing."""
+        protocol = self._protocol
+        fence = protocol.vote_fence
+        if fence is None or comm_state is None or not protocol.quorum_open or protocol.decided:
+            return
+        check = comm_state.take_gradient_check()
+        if check is None:
+            return
+        protocol.read_at_vote(
+            finite=check if self._skip_non_finite else None,
+            loss=loss if isinstance(loss, Tensor) and loss.numel() == 1 else None,
+        )
+        fence.mark()
+
     def step(
         self,
         optimizer: Optimizer,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from torch import Tensor
@@ -33,6 +34,7 @@ from lightning_ft.manager.internals import (
     set_aside_if_left_behind,
 )
 from lightning_ft.manager.telemetry import FTTelemetry
+from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.manager.vote_inputs import VoteInputs, host_copy, should_commit_reading
 from lightning_ft.step.buffers import ModelBuffers
 from lightning_ft_job import events
@@ -85,7 +87,11 @@ class StepProtocol:
         # What the open step's vote reads from the device after torchft's sync (read_at_vote), and the loss read.
         self._finite_at_vote: Callable[[], bool] | None = None
         self._loss_at_vote: Tensor | None = None
+        self._inputs_queued = False
         self.step_loss: float | None = None
+        # On a GPU with the DDP hook on NCCL: what the vote waits for instead of the whole stream (set by the hook's
+        # installation; lightning_ft.manager.vote_fence). Marked by the step owner at the end of the backward pass.
+        self.vote_fence: VoteFence | None = None
 
     @property
     def quorum_open(self) -> bool:
@@ -183,6 +189,9 @@ class StepProtocol:
         self._quorums_opened += 1
         self._decision = None
         self._finite_at_vote, self._loss_at_vote, self.step_loss = None, None, None
+        self._inputs_queued = False
+        if self.vote_fence is not None:
+            self.vote_fence.clear()
         if self._floor_step is not None:
             self._check_floor(self._floor_step)
 
@@ -245,6 +254,11 @@ class StepProtocol:
             buffers.settle(decision)
         return decision
 
+    @property
+    def vote_inputs_queued(self) -> bool:
+        """Whether the open step's vote inputs are queued for the host already (:meth:`read_at_vote`)."""
+        return self._inputs_queued
+
     def read_at_vote(self, finite: Callable[[], bool] | None = None, loss: Tensor | None = None) -> None:
         """What this step's vote reads from the device: ``finite()`` says whether the averaged gradient is finite
         (a ``False`` rejects the step in every group alike), and ``loss`` becomes :attr:`step_loss`. Both are read
@@ -252,11 +266,20 @@ class StepProtocol:
         (:mod:`lightning_ft.manager.vote_inputs`)."""
         self._finite_at_vote = finite
         self._loss_at_vote = host_copy(loss) if loss is not None else None
+        self._inputs_queued = True
 
     def _vote(self) -> bool:
-        if self._finite_at_vote is None and self._loss_at_vote is None:
-            return self.manager.should_commit()
-        return should_commit_reading(self.manager, self._read_at_vote)
+        """torchft's vote, reading this process's inputs after its sync. The sync waits for the vote fence's mark
+        only while this replica takes part in the step: a healing one has its received state applied inside the
+        vote. (The buffers' average, started at the backward pass's first bucket, is on the NCCL stream before the
+        last bucket, so the mark covers it too.)"""
+        fence = self.vote_fence
+        if fence is not None and not self.manager.is_participating():
+            fence.clear()
+        with fence.voting() if fence is not None else nullcontext():
+            if self._finite_at_vote is None and self._loss_at_vote is None:
+                return self.manager.should_commit()
+            return should_commit_reading(self.manager, self._read_at_vote)
 
     def _read_at_vote(self, voting_to_commit: bool) -> bool:
         finite, loss = self._finite_at_vote, self._loss_at_vote

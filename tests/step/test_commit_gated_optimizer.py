@@ -34,10 +34,11 @@ class FakeManager:
 
 
 class FakeProtocol:
-    """What ``CommitGatedOptimizer`` uses of ``StepProtocol``: ``decided``, ``read_at_vote``, ``reject``, ``commit``
-    and the manager's step. ``log`` is shared with the closure and the optimizer, so that the order of events can be
-    checked. As the real protocol does, ``commit`` reads the finite check and the loss it was given right before the
-    vote is cast (the real one does so after the vote's device sync, ``tests/step/test_host_syncs.py``)."""
+    """What ``CommitGatedOptimizer`` uses of ``StepProtocol``: ``decided``, ``vote_inputs_queued``, ``read_at_vote``,
+    ``reject``, ``commit`` and the manager's step. ``log`` is shared with the closure and the optimizer, so that the
+    order of events can be checked. As the real protocol does, ``commit`` reads the finite check and the loss it was
+    given right before the vote is cast (the real one does so after the vote's device sync,
+    ``tests/step/test_host_syncs.py``)."""
 
     def __init__(self, log: list[str], vote: bool = True, decided: bool = False, step: int = 7) -> None:
         self.log = log
@@ -52,6 +53,10 @@ class FakeProtocol:
     @property
     def decided(self) -> bool:
         return self._decided
+
+    @property
+    def vote_inputs_queued(self) -> bool:  # the real one: queued at the end of the backward pass on a GPU
+        return False
 
     def reject(self, reason: Exception) -> None:
         self.log.append("reject")
