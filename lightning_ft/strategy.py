@@ -118,8 +118,7 @@ class FTStrategy(FTStrategyArguments):
 
     @property
     def step_protocol(self) -> StepProtocol:
-        """The fit's exchange with the Manager: quorum, vote, step-start observers (:mod:`lightning_ft.step.protocol`),
-        while fitting (else ``NotAvailableError``)."""
+        """The fit's exchange with the Manager (:mod:`lightning_ft.step.protocol`) while fitting, else an error."""
         protocol = self._parts("step_protocol", "fitting").protocol
         if protocol is None:
             raise NotAvailableError("FTStrategy.step_protocol is only available while fitting.")
@@ -383,11 +382,12 @@ class FTStrategy(FTStrategyArguments):
         return self._fit.owner.step(optimizer, closure, model, self.precision_plugin, self._comm_state, **kwargs)
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """As ``DDPStrategy``'s; then the step owner marks what the step's vote waits for (automatic optimization)."""
-        super().post_backward(closure_loss)
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._fit is not None and isinstance(self._fit.owner, StepOwner) and self._module.automatic_optimization:
-            self._fit.owner.backward_done(closure_loss, self._comm_state)
+            self._fit.owner.backward_done(closure_loss, self._comm_state)  # the loss as given: before any scaling
+        return output
 
     # ------------------------------------------------------------------ inside the group: DDP or FSDP2
     @contextmanager

@@ -4,12 +4,15 @@ Four modes, each in its own process, on the one GPU in turn:
 
 * ``plain``: Lightning's default strategy on one device, no fault tolerance;
 * ``plain-sync``: the same, with one synchronization of the current stream per step, after gradient clipping and
-  before the optimizer's update, where torchft's vote (``Manager.should_commit``) synchronizes: the least any step
-  with that vote can cost, since the GPU idles from there until the optimizer's first kernel is launched;
+  before the optimizer's update, where torchft's vote (``Manager.should_commit``) synchronized until lightning-ft's
+  vote fence (``lightning_ft/manager/vote_fence.py``; the vote's sync now waits for the end of the backward pass
+  only): the least a step with a whole-stream sync there can cost, since the GPU idles from there until the
+  optimizer's first kernel is launched;
 * ``ddp``: ``DDPStrategy`` with one process (NCCL);
 * ``ft``: ``FTStrategy()`` with one replica group of one process (NCCL inside the group and across groups, the
   embedded lighthouse): every per-step piece of fault tolerance runs (quorum, vote, the cross-group allreduce of
-  every gradient bucket, the buffers' average, the event log).
+  every gradient bucket, the buffers' average, the event log); its records count the votes that waited for the
+  vote fence's mark only (``votes_fenced``).
 
 Each mode trains an MLP of ``DEPTH`` layers of width ``WIDTH`` (about 134 M parameters) with AdamW and clipping 1.0,
 on a batch made on the device, in every configuration: precision (``32-true``, ``bf16-mixed``) × step size (a batch

@@ -8,7 +8,7 @@ which the vote does not need: the GPU drains, then idles while the host votes an
 kernels (about 0.6 ms of a 13-ms bf16 step on an H200, ``docs/benchmarks.md``).
 
 :class:`VoteFence` marks the point the vote does need. At the end of a backward pass whose gradients crossed groups
-(``FTStrategy.post_backward``), DDP has made the stream wait for every bucket's averaged result, the vote's inputs
+(``FTStrategy.backward``), DDP has made the stream wait for every bucket's averaged result, the vote's inputs
 (the non-finite flags, the loss) are queued for the host, and :meth:`VoteFence.mark` records one CUDA event. The vote
 then runs with a side stream as the current stream (:meth:`VoteFence.voting`): the side stream waits for that event
 only, so torchft's sync returns once the cross-group work is done while clipping still runs on the GPU. Afterwards the

@@ -87,11 +87,12 @@ class StepOwner:
         self._output = output
 
     def backward_done(self, loss: Tensor, comm_state: FTCommState | None) -> None:
-        """A backward pass of automatic optimization ended (``FTStrategy.post_backward``). On a GPU with a vote fence,
-        if its gradients crossed groups: queue the vote's inputs (the averaged gradient's non-finite check, the
-        loss) and mark the fence, before clipping and ``on_before_optimizer_step`` queue their kernels, so that the
-        vote waits for the cross-group work only (:mod:`lightning_ft.manager.vote_fence`). An accumulating
-        micro-batch (no bucket averaged) or a backward pass after the vote marks nothing."""
+        """A backward pass of automatic optimization ended (``FTStrategy.backward``; ``loss`` as it was given, not as
+        a GradScaler scaled it). On a GPU with a vote fence, if its gradients crossed groups: queue the vote's inputs
+        (the averaged gradient's non-finite check, the loss) and mark the fence, before clipping and
+        ``on_before_optimizer_step`` queue their kernels, so that the vote waits for the cross-group work only
+        (:mod:`lightning_ft.manager.vote_fence`). An accumulating micro-batch (no bucket averaged) or a backward pass
+        after the vote marks nothing."""
         protocol = self._protocol
         fence = protocol.vote_fence
         if fence is None or comm_state is None or not protocol.quorum_open or protocol.decided:

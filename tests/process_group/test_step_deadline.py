@@ -179,5 +179,9 @@ def test_on_a_gpu_the_deadline_times_the_steps_collectives(sleep_s: float, abort
     deadline = StepDeadline(manager._pg, manager._pg._timeout)
     deadline.launched(stalled_completion(sleep_s))
     deadline.arm()
+    # Where it failed on an H200 (11-30, aborted 0 of 1, the control passing), these say which premise broke.
+    assert deadline.armed == 1
+    if sleep_s:
+        assert not torch.cuda.current_stream().query(), "the stream was no longer busy when the deadline was armed"
     handled_timers(1)
     assert manager._pg.aborted == aborts

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import Regressor, loader, trainer
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.step.protocol import StepProtocol
@@ -64,6 +65,26 @@ class InstallFence(pl.Callback):
         protocol.read_at_vote = logged_read
 
 
+class ScalingPrecision(Precision):
+    """Scales the loss before the backward pass, as a GradScaler does: the loss the vote reads must be the unscaled
+    one."""
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
+        return super().pre_backward(tensor * 1024.0, module)
+
+
+class StepLosses(pl.Callback):
+    """Each committed step's loss as the vote read it, beside the loss the training step returned."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[float | None, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        protocol = trainer.strategy.step_protocol  # type: ignore[attr-defined]
+        if protocol.last_step_committed:
+            self.pairs.append((protocol.step_loss, float(outputs["loss"])))
+
+
 class NaNAt(Regressor):
     """Its loss, and so its averaged gradient, is NaN at one batch."""
 
@@ -80,9 +101,11 @@ class NaNAt(Regressor):
 def test_each_vote_waits_for_the_mark_made_after_its_inputs_were_queued(accumulate: int) -> None:
     """Fails when the owner marks before queuing the inputs (a mark logged with ``False``), when the inputs are read
     again after the mark (queued after clipping, the fenced sync would not wait for their copies), when a vote finds
-    no mark, or when the NaN step is not rejected."""
-    steps, install = 6, InstallFence()
-    fit = trainer(callbacks=[install], max_steps=steps, accumulate_grad_batches=accumulate)
+    no mark, when the NaN step is not rejected, or when the loss read is the one scaled for the backward pass."""
+    steps, install, losses = 6, InstallFence(), StepLosses()
+    fit = trainer(
+        callbacks=[install, losses], max_steps=steps, accumulate_grad_batches=accumulate, plugins=[ScalingPrecision()]
+    )
     nan_batch = 2 * accumulate + accumulate - 1  # the last micro-batch of the third step
     fit.fit(NaNAt(nan_batch), loader())
     assert install.fence is not None
@@ -91,6 +114,9 @@ def test_each_vote_waits_for_the_mark_made_after_its_inputs_were_queued(accumula
     assert log == [("read", True), ("mark", True), ("vote", True)] * votes
     assert fit.global_step == steps
     assert install.fence.protocol.non_finite_skips == 1
+    if accumulate == 1:  # the loss read at the vote is the one the step returned, not the scaled one
+        assert len(losses.pairs) == steps
+        assert all(read == pytest.approx(returned) for read, returned in losses.pairs), losses.pairs
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
