@@ -40,8 +40,10 @@ def semi_sync_args(max_steps: int, algorithm: str, sync_every: int, fragments: i
     ("algorithm", "fragments", "delay", "nproc"),
     [
         # In groups of 2 processes, DiLoCo only: LocalSGD's syncs are the same callback with fewer states to heal, and
-        # its kill in 1-process groups is test_semi_sync_sigkill_during_a_sync's.
-        pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2", marks=pytest.mark.compat),
+        # its kill in 1-process groups is test_semi_sync_sigkill_during_a_sync's. A further path of that scenario
+        # (``make test`` kills DiLoCo in 1-process groups there), so ``make test-extra`` and the compatibility matrix
+        # run it: ``make test`` stays under its 20-minute budget on 2 cores.
+        pytest.param("diloco", 1, 0, 2, id="diloco-groups-of-2", marks=[pytest.mark.compat, pytest.mark.paths]),
         # Streaming without a delay joins at a periodic sync here only with a delay (the superset: a fragment's
         # allreduce in flight across the join); without one it joins the final syncs in the test below.
         pytest.param("diloco", 2, 1, 1, id="streaming-diloco-2-fragments-delay-1", marks=pytest.mark.paths),
