@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from helpers import cuda_only, keep_gpu_busy
 
 from lightning_ft.process_group import step_deadline
 from lightning_ft.process_group.step_deadline import StepDeadline
@@ -134,7 +135,7 @@ def stalled_completion(sleep_s: float) -> torch.futures.Future[torch.Tensor]:
     current stream busy for ``sleep_s`` seconds (0: none)."""
     tensor = torch.ones(4, device="cuda")
     if sleep_s:
-        torch.cuda._sleep(int(sleep_s * 2e9))  # cycles: at least sleep_s at a clock of 2 GHz or less
+        keep_gpu_busy(sleep_s)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[tensor.device])
     future.set_result(tensor.mul_(2))
     return future
@@ -151,16 +152,13 @@ def handled_timers(count: int) -> None:
     torch.cuda.synchronize()
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @cuda_only
 def test_on_a_gpu_torchfts_stream_timeout_fires_on_a_stalled_stream():
     """The control: torchft's timer alone, on the current stream, behind a kernel that outlasts it."""
     from torchft.futures import stream_timeout
 
     fired: list[bool] = []
-    torch.cuda._sleep(int(3.0 * 2e9))  # cycles: at least 3 s at a clock of 2 GHz or less
+    keep_gpu_busy(3.0)
     stream_timeout(lambda: fired.append(True), timedelta(seconds=0.5))
     handled_timers(1)
     assert fired

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import Regressor, loader, trainer
+from helpers import Regressor, cuda_only, keep_gpu_busy, loader, trainer
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_ft.manager.vote_fence import VoteFence
@@ -119,10 +119,6 @@ def test_each_vote_waits_for_the_mark_made_after_its_inputs_were_queued(accumula
         assert all(read == pytest.approx(returned) for read, returned in losses.pairs), losses.pairs
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-CYCLES_PER_SECOND = 2e9  # torch.cuda._sleep spins cycles: at least this long at a clock of 2 GHz or less
-
-
 @cuda_only
 def test_on_a_gpu_the_votes_sync_returns_at_the_mark_while_later_kernels_run() -> None:
     """torchft's vote syncs the current stream (``torchft.utils.synchronize``): inside ``voting()`` that returns once
@@ -132,11 +128,11 @@ def test_on_a_gpu_the_votes_sync_returns_at_the_mark_while_later_kernels_run() -
 
     device = torch.device("cuda")
     fence = VoteFence(device)
-    torch.cuda._sleep(int(0.2 * CYCLES_PER_SECOND))  # the step's cross-group work
+    keep_gpu_busy(0.2)  # the step's cross-group work
     before = torch.cuda.Event()
     before.record()
     fence.mark()
-    torch.cuda._sleep(int(2.0 * CYCLES_PER_SECOND))  # clipping, queued after the mark
+    keep_gpu_busy(2.0)  # clipping, queued after the mark
     after = torch.cuda.Event()
     after.record()
     with fence.voting():
@@ -156,7 +152,7 @@ def test_on_a_gpu_what_the_vote_queues_comes_before_the_update() -> None:
     value = torch.zeros(1, device=device)
     fence.mark()
     with fence.voting():
-        torch.cuda._sleep(int(0.5 * CYCLES_PER_SECOND))
+        keep_gpu_busy(0.5)
         value.fill_(1.0)
     doubled = value * 2  # the optimizer's update, on the default stream
     assert doubled.item() == 2.0
@@ -168,7 +164,7 @@ def test_on_a_gpu_without_a_mark_the_vote_waits_for_everything() -> None:
     fence = VoteFence(device)
     fence.mark()
     fence.clear()
-    torch.cuda._sleep(int(0.5 * CYCLES_PER_SECOND))
+    keep_gpu_busy(0.5)
     after = torch.cuda.Event()
     after.record()
     with fence.voting():

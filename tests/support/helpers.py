@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,6 +38,16 @@ def loader(n: int = 512, batch_size: int = 8) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, 8, generator=generator)
     return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=batch_size)
+
+
+#: The GPU tests' mark: skipped where no CUDA device is (CI runs on CPU; the device checks run them).
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def keep_gpu_busy(seconds: float) -> None:
+    """Queue a kernel that keeps the current stream busy for at least ``seconds`` (``torch.cuda._sleep`` spins clock
+    cycles: at a clock of 2 GHz or less, 2e9 of them a second take at least as long)."""
+    torch.cuda._sleep(int(seconds * 2e9))
 
 
 def trainer(strategy: Any = "ft", callbacks: list[pl.Callback] | None = None, **kwargs: Any) -> pl.Trainer:
