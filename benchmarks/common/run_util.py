@@ -112,11 +112,12 @@ def run_together(commands: list[tuple[list[str], Path]], limit: float) -> None:
                     process.wait()
 
 
-def raw_torchft_manager(replica_id: str, state_dict: Any, load_state_dict: Any) -> Any:
+def raw_torchft_manager(replica_id: str, state_dict: Any, load_state_dict: Any, **options: Any) -> Any:
     """A raw torchft ``Manager`` for a group of one process, as torchft's README builds it (benchmark workers that run
     no lightning-ft code). torchft reads MASTER_ADDR/MASTER_PORT as a store *client*; with one process per group
     nothing hosts that store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so the group hosts its own, as lightning-ft does.
-    The store is kept on the Manager (``bench_store``) for as long as it lives."""
+    The store is kept on the Manager (``bench_store``) for as long as it lives. ``options``: more of the Manager's
+    arguments."""
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
@@ -131,6 +132,7 @@ def raw_torchft_manager(replica_id: str, state_dict: Any, load_state_dict: Any) 
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=replica_id,
+        **options,
     )
     manager.bench_store = store
     return manager

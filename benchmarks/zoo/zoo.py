@@ -49,6 +49,11 @@ NOMINAL_STEP_S = {
 MEASURED_S = 5.0  # the measured part of a run, roughly
 PROCESSES = 2
 WORKER = Path(__file__).with_name("zoo_worker.py")
+# Modes that run DDPStrategy under torchrun; the others run FTStrategy under lightning-ft launch. ``ddp_torchft`` is
+# DDPStrategy with torchft's per-step protocol beside it and no lightning-ft code (zoo_worker.TorchftProtocol),
+# ``ddp_quorum`` with its quorum alone: the floors under ``ft`` that ``floor_split`` reports.
+TORCHRUN_MODES = ("ddp", "ddp_torchft", "ddp_quorum")
+FLOOR_MODES = {"ddp_torchft": "torchft's quorum and vote", "ddp_quorum": "torchft's quorum"}
 
 
 def steps_for(model: str, accumulate: int) -> tuple[int, int]:
@@ -68,7 +73,7 @@ def command(mode: str, model: str, accumulate: int, steps: int, root: Path, proc
         f"--root={root}",
         f"--out={root / 'steps.json'}",
     ]
-    if mode == "ddp":
+    if mode in TORCHRUN_MODES:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *worker]
     launch = [*LIGHTNING_FT, "launch", f"--replica-groups={processes}", f"--min-replicas={processes}"]
     return [*launch, "--max-restarts=0", "--", "python", *worker]
@@ -89,6 +94,7 @@ def measure(
     paths: dict[str, list[float]] = {}
     cpu: float | None = None
     cpu_by_kind: dict[str, float] | None = None
+    votes: list[float] = []
     for path in files:
         record = json.loads(path.read_text())
         if record["global_step"] != steps:
@@ -97,12 +103,15 @@ def measure(
         if cpu is None:  # the first process's steps count the job's: every process takes each committed step
             cpu = cpu_per_step(cpu_samples, record["step_ends"], warmup)
             cpu_by_kind = cpu_per_step_by_kind(cpu_samples, record["step_ends"], warmup)
+        votes.extend(record.get("vote_seconds", [])[warmup:])
         for name in ("optimizer_ends", "vote_ends"):
             gap = to_next_forward(record.get(name, [])[warmup:], record.get("forward_starts", []))
             if gap is not None:
                 paths.setdefault(name, []).append(gap)
     step = sum(medians) / len(medians)
     critical = {f"{name[:-5]}_to_forward_ms": 1000 * sum(gaps) / len(gaps) for name, gaps in paths.items()}
+    if votes:  # the median vote (should_commit) over both processes' measured steps
+        critical["vote_ms"] = 1000 * median(votes)
     shown = "  ".join(f"{name} {value:.3f}" for name, value in critical.items())
     cpu_ms = f"  job CPU {cpu * 1000:7.2f} ms/step" if cpu is not None else ""
     if cpu_by_kind is not None:
@@ -184,6 +193,53 @@ def summarise(runs_by_file: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
     return rows
 
 
+def floor_split(runs_by_file: dict[str, list[dict[str, Any]]], floor_mode: str = "ddp_torchft") -> list[dict[str, Any]]:
+    """Where ``ft``'s fixed cost over ``ddp`` lies, over every repetition that ran ``ddp``, ``floor_mode`` and ``ft``:
+    torchft's protocol beside ``DDPStrategy`` with no lightning-ft code (``floor_mode - ddp``, :data:`FLOOR_MODES`)
+    and lightning-ft above it (``ft - floor_mode``), in wall time and in the job's CPU per step (medians over
+    repetitions, in ms)."""
+    split: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for runs in runs_by_file.values():
+        by_rep: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+        for run in runs:
+            by_rep.setdefault((run["model"], run["accumulate"], run["rep"]), {})[run["mode"]] = run
+        for (model, accumulate, _), modes in by_rep.items():
+            if not {"ddp", floor_mode, "ft"} <= modes.keys():
+                continue
+            ddp, floor, ft = modes["ddp"], modes[floor_mode], modes["ft"]
+            row = split.setdefault((model, accumulate), {})
+            for key, field in (("wall", "step_s"), ("cpu", "job_cpu_per_step_s")):
+                row.setdefault(f"floor_{key}_ms", []).append(1000 * (floor[field] - ddp[field]))
+                row.setdefault(f"above_{key}_ms", []).append(1000 * (ft[field] - floor[field]))
+                row.setdefault(f"ft_{key}_ms", []).append(1000 * (ft[field] - ddp[field]))
+            for mode, run in (("floor", floor), ("ft", ft)):
+                if "vote_ms" in run:
+                    row.setdefault(f"{mode}_vote_ms", []).append(run["vote_ms"])
+    return [
+        {"model": model, "accumulate": accumulate, "repetitions": len(values["ft_wall_ms"])}
+        | {key: round(median(found), 3) for key, found in values.items()}
+        | {f"{key}_each": [round(v, 2) for v in found] for key, found in values.items() if key.endswith("wall_ms")}
+        for (model, accumulate), values in sorted(split.items())
+    ]
+
+
+def floor_table(rows: list[dict[str, Any]], floor: str) -> str:
+    lines = [
+        "| model | accumulation | repetitions | `FTStrategy` − `DDPStrategy`, wall | of which " + floor + " | "
+        "of which lightning-ft | the same in job CPU: all | torchft | lightning-ft | vote, torchft alone | vote, "
+        "`FTStrategy` |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['accumulate']} | {row['repetitions']} | {row['ft_wall_ms']:+.2f} ms | "
+            f"{row['floor_wall_ms']:+.2f} ms | {row['above_wall_ms']:+.2f} ms | {row['ft_cpu_ms']:+.2f} ms | "
+            f"{row['floor_cpu_ms']:+.2f} ms | {row['above_cpu_ms']:+.2f} ms | "
+            f"{row.get('floor_vote_ms', math.nan):.2f} ms | {row.get('ft_vote_ms', math.nan):.2f} ms |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | parameters | accumulation | `DDPStrategy` step | `FTStrategy` step | fixed cost | ratio, median | "
@@ -255,7 +311,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO))
     parser.add_argument("--accumulate", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["ddp", "ft"], choices=["ddp", "ft", "ft_pinned", "ft_sync"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["ddp", "ft"],
+        choices=["ddp", *FLOOR_MODES, "ft", "ft_pinned", "ft_sync"],
+        help="ddp_torchft, ddp_quorum: DDPStrategy with torchft's quorum and vote, or its quorum alone, beside it: the "
+        "floors under ft (with ddp and ft, the summary also prints where ft's fixed cost lies)",
+    )
     parser.add_argument(
         "--processes",
         type=int,
@@ -286,10 +349,18 @@ def main() -> None:
     if args.processes != PROCESSES:
         print(table(summarise({out.name: runs})))
         return
-    rows = summarise(every_kept_run())
+    kept = every_kept_run()
+    rows = summarise(kept)
     if not rows:
         raise SystemExit(f"no zoo results under {RESULTS / 'zoo'}")
     print(table(rows))
+    for floor_mode, floor in FLOOR_MODES.items():
+        floors = floor_split(kept, floor_mode)
+        if floors:
+            print(
+                f"\nFTStrategy's fixed cost: {floor} (beside DDPStrategy, no lightning-ft code) and lightning-ft above"
+            )
+            print(floor_table(floors, floor))
     plot(rows, args.plot)
 
 

@@ -4,6 +4,9 @@
 replica group of 1 process with ``FTStrategy()`` (its defaults), under ``lightning-ft launch``; ``--mode ft_pinned``
 the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, buckets pinned in forward order),
 ``--mode ft_sync`` with ``FTStrategy(use_async_quorum=False)`` (the quorum before the forward pass, not beside it).
+``--mode ddp_torchft``: ``DDPStrategy`` as in ``ddp``, with torchft's per-step protocol beside it and no lightning-ft
+code (:class:`TorchftProtocol`): what a fault-tolerant DDP step on torchft pays as torchft ships it, quorum and vote;
+``--mode ddp_quorum`` the quorum alone (a one-process group's vote needs no RPC, lightning-ft's ``LocalCommitVote``).
 Every mode trains the zoo model ``--model`` with ``accumulate_grad_batches=--accumulate`` and writes the time each
 optimizer step ended (``time.perf_counter``) to ``--out`` with their rank or group before the suffix (``steps.0.json``).
 """
@@ -22,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from benchmarks.common.overhead_worker import write
+from benchmarks.common.run_util import raw_torchft_manager
 from benchmarks.zoo.zoo_models import ZOO, ZooBatches, ZooModule
 from lightning_ft import FTStrategy
 
@@ -42,28 +46,84 @@ class OptimizerStepClock(pl.Callback):
             self.step_ends.append(time.perf_counter())
 
 
+class TorchftProtocol(pl.Callback):
+    """torchft's per-step protocol beside ``DDPStrategy``, as torchft's README drives it, with no lightning-ft code.
+
+    Each rank is a replica group of one process with a raw torchft ``Manager``; rank 0 hosts the lighthouse, with the
+    settings ``lightning-ft launch`` gives its own. Each step starts the quorum when its first batch starts (beside the
+    forward pass, as ``FTStrategy`` does), and between the backward pass and the optimizer step waits for it and votes
+    (``should_commit``). The gradients cross ranks through DDP's own allreduce, so what this adds to ``ddp`` is the
+    protocol alone: a quorum (the lighthouse's round trip, the Manager server, torchft's threads) and a serial vote.
+    It waits for the quorum later than ``FTStrategy`` (which needs it at the first bucket), so it can only cost less.
+    With ``vote=False`` it only waits for the quorum: the per-step quorum, which no step that torchft's Manager
+    coordinates goes without. The Manager's step then stays 0, so it is built with ``init_sync=False``: at step 0
+    torchft would otherwise heal every group but the first from it, at every quorum.
+    """
+
+    def __init__(self, accumulate: int, vote: bool = True) -> None:
+        self.accumulate = accumulate
+        self.vote = vote
+        self.manager: Any = None
+        self.lighthouse: Any = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
+        from lightning_ft_job.lighthouse_server import start_lighthouse
+
+        address: list[str | None] = [None]
+        if trainer.global_rank == 0:
+            self.lighthouse = start_lighthouse(min_replicas=trainer.world_size)
+            address = [self.lighthouse.address]
+        dist.broadcast_object_list(address, src=0)
+        os.environ["TORCHFT_LIGHTHOUSE"] = str(address[0])
+        self.manager = raw_torchft_manager(
+            f"zoo_{trainer.global_rank}", state_dict=dict, load_state_dict=lambda state: None, init_sync=self.vote
+        )
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, index: int) -> None:
+        if index % self.accumulate == 0:
+            self.manager.start_quorum()
+
+    def on_before_optimizer_step(self, *_: Any) -> None:
+        self.manager.wait_quorum()
+        if self.vote:
+            self.manager.should_commit()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+
 class CriticalPathClock(pl.Callback):
     """What lies between one step's decision and the next step's first kernel: when each optimizer step ends (a step
     post-hook on the real optimizer), when each FTStrategy vote ends (around ``Manager.should_commit``), and when each
-    forward pass starts (a pre-hook on the model's network, the first module its ``training_step`` calls)."""
+    forward pass starts (a pre-hook on the model's network, the first module its ``training_step`` calls); and how
+    long each vote took (``vote_seconds``: the serial part of the protocol, which no forward or backward pass hides).
+    The vote is ``FTStrategy``'s Manager's, or ``protocol``'s (``ddp_torchft``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: TorchftProtocol | None = None) -> None:
+        self.protocol = protocol
         self.optimizer_ends: list[float] = []
         self.vote_ends: list[float] = []
+        self.vote_seconds: list[float] = []
         self.forward_starts: list[float] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.optimizers[0].register_step_post_hook(lambda *_: self.optimizer_ends.append(time.perf_counter()))
         pl_module.net.register_forward_pre_hook(lambda *_: self.forward_starts.append(time.perf_counter()))
-        manager = getattr(trainer.strategy, "manager", None)
+        manager = self.protocol.manager if self.protocol is not None else getattr(trainer.strategy, "manager", None)
         if manager is not None:
             should_commit = manager.should_commit
 
             def timed_vote(*args: Any, **kwargs: Any) -> bool:
+                started = time.perf_counter()
                 try:
                     return should_commit(*args, **kwargs)
                 finally:
                     self.vote_ends.append(time.perf_counter())
+                    self.vote_seconds.append(self.vote_ends[-1] - started)
 
             manager.should_commit = timed_vote
 
@@ -71,13 +131,16 @@ class CriticalPathClock(pl.Callback):
         return {
             "optimizer_ends": self.optimizer_ends,
             "vote_ends": self.vote_ends,
+            "vote_seconds": self.vote_seconds,
             "forward_starts": self.forward_starts,
         }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ddp", "ft", "ft_pinned", "ft_sync"], required=True)
+    parser.add_argument(
+        "--mode", choices=["ddp", "ddp_torchft", "ddp_quorum", "ft", "ft_pinned", "ft_sync"], required=True
+    )
     parser.add_argument("--model", choices=sorted(ZOO), required=True)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, required=True)
@@ -85,7 +148,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    if args.mode == "ddp":
+    torchrun_mode = args.mode in ("ddp", "ddp_torchft", "ddp_quorum")
+    protocol = (
+        TorchftProtocol(args.accumulate, vote=args.mode == "ddp_torchft")
+        if torchrun_mode and args.mode != "ddp"
+        else None
+    )
+    if torchrun_mode:
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         devices = world = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's world: zoo.py --processes
     else:
@@ -95,7 +164,7 @@ def main() -> None:
     batches = args.steps * args.accumulate
     data = ZooBatches(spec, length=batches * spec.batch_size * world)
     clock = OptimizerStepClock(args.accumulate)
-    path = CriticalPathClock()
+    path = CriticalPathClock(protocol)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -109,11 +178,11 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=args.root,
-        callbacks=[clock, path],
+        callbacks=[clock, path, *([protocol] if protocol is not None else [])],
     )
     started = time.perf_counter()
     trainer.fit(ZooModule(args.model), DataLoader(data, batch_size=spec.batch_size))
-    rank = trainer.global_rank if args.mode == "ddp" else int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    rank = trainer.global_rank if torchrun_mode else int(os.environ.get("REPLICA_GROUP_ID", "0"))
     write(
         args.out.with_name(f"{args.out.stem}.{rank}.json"),
         clock.step_ends,

@@ -1,0 +1,47 @@
+"""The zoo's split of FTStrategy's fixed cost (benchmarks/zoo/zoo.py, ``floor_split``): torchft's protocol beside
+DDPStrategy against lightning-ft above it, per repetition, only where a repetition ran every mode it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.zoo.zoo import floor_split, floor_table
+
+
+def run(mode: str, rep: int, step_ms: float, cpu_ms: float, vote_ms: float | None = None) -> dict[str, object]:
+    record: dict[str, object] = {
+        "mode": mode,
+        "model": "mlp-0.3m",
+        "accumulate": 1,
+        "rep": rep,
+        "step_s": step_ms / 1000,
+        "job_cpu_per_step_s": cpu_ms / 1000,
+    }
+    if vote_ms is not None:
+        record["vote_ms"] = vote_ms
+    return record
+
+
+def test_the_split_takes_each_repetitions_own_baseline_and_medians_over_repetitions():
+    runs = [
+        # rep 0: the protocol costs 1 ms, lightning-ft 0.5 ms more; rep 1 on a slower machine: 3 ms and -1 ms
+        run("ddp", 0, 10.0, 20.0),
+        run("ddp_torchft", 0, 11.0, 22.0, vote_ms=0.5),
+        run("ft", 0, 11.5, 23.0, 0.2),
+        run("ddp", 1, 20.0, 40.0),
+        run("ddp_torchft", 1, 23.0, 43.0, vote_ms=0.7),
+        run("ft", 1, 22.0, 42.0, 0.1),
+        run("ddp", 2, 30.0, 60.0),
+        run("ft", 2, 99.0, 99.0),  # no floor arm in rep 2: not in the split
+    ]
+    (row,) = floor_split({"a.json": runs}, "ddp_torchft")
+    assert row["repetitions"] == 2
+    assert row["floor_wall_ms"] == pytest.approx(2.0) and row["above_wall_ms"] == pytest.approx(-0.25)
+    assert row["ft_wall_ms"] == pytest.approx(1.75) and row["ft_cpu_ms"] == pytest.approx(2.5)
+    assert row["floor_vote_ms"] == pytest.approx(0.6) and row["ft_vote_ms"] == pytest.approx(0.15)
+    assert sorted(row["floor_wall_ms_each"]) == [1.0, 3.0]
+    assert "+1.75 ms" in floor_table([row], "torchft's quorum and vote")
+
+
+def test_a_file_without_the_floor_mode_gives_no_row():
+    assert floor_split({"a.json": [run("ddp", 0, 10.0, 20.0), run("ft", 0, 11.0, 21.0)]}, "ddp_quorum") == []
