@@ -6,6 +6,7 @@ real DDP model of several buckets; on a GPU the timer is torchft's own, on a rea
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -141,15 +142,25 @@ def stalled_completion(sleep_s: float) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
-def handled_timers(count: int) -> None:
+def handled_timers(count: int) -> list[str]:
     """Wait until torchft's timeout thread has handled ``count`` more timers: each one's handler, called at its
-    deadline, hands its event to the deletion queue after it has (or has not) called back. Drains the device after."""
+    deadline, hands its event to the deletion queue after it has (or has not) called back. Drains the device after.
+
+    Returns what was seen as each event arrived (for a failure's message): the seconds since this call, whether the
+    event and the current stream had completed by then, and the event's device."""
     from torchft.futures import _TIMEOUT_MANAGER
 
+    started = time.monotonic()
+    seen = []
     for _ in range(count):
         event = _TIMEOUT_MANAGER._del_queue.get(timeout=30)  # a gate with a deadline, as torchft's own test waits
+        seen.append(
+            f"handled after {time.monotonic() - started:.2f} s, event done {event.query()}, stream done "
+            f"{torch.cuda.current_stream().query()}, event device {getattr(event, 'device', '?')}"
+        )
         del event
     torch.cuda.synchronize()
+    return seen
 
 
 @cuda_only
@@ -160,8 +171,8 @@ def test_on_a_gpu_torchfts_stream_timeout_fires_on_a_stalled_stream():
     fired: list[bool] = []
     keep_gpu_busy(3.0)
     stream_timeout(lambda: fired.append(True), timedelta(seconds=0.5))
-    handled_timers(1)
-    assert fired
+    seen = handled_timers(1)
+    assert fired, seen
 
 
 @cuda_only
@@ -181,5 +192,5 @@ def test_on_a_gpu_the_deadline_times_the_steps_collectives(sleep_s: float, abort
     assert deadline.armed == 1
     if sleep_s:
         assert not torch.cuda.current_stream().query(), "the stream was no longer busy when the deadline was armed"
-    handled_timers(1)
-    assert manager._pg.aborted == aborts
+    seen = handled_timers(1)
+    assert manager._pg.aborted == aborts, seen
