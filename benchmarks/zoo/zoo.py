@@ -52,8 +52,9 @@ WORKER = Path(__file__).with_name("zoo_worker.py")
 # Modes that run DDPStrategy under torchrun; the others run FTStrategy under lightning-ft launch. ``ddp_torchft`` is
 # DDPStrategy with torchft's per-step protocol beside it and no lightning-ft code (zoo_worker.TorchftProtocol),
 # ``ddp_quorum`` with its quorum alone: the floors under ``ft`` that ``floor_split`` reports.
-TORCHRUN_MODES = ("ddp", "ddp_torchft", "ddp_quorum")
 FLOOR_MODES = {"ddp_torchft": "torchft's quorum and vote", "ddp_quorum": "torchft's quorum"}
+TORCHRUN_MODES = ("ddp", *FLOOR_MODES)
+MODES = (*TORCHRUN_MODES, "ft", "ft_pinned", "ft_sync")  # every mode of zoo_worker.py
 
 
 def steps_for(model: str, accumulate: int) -> tuple[int, int]:
@@ -315,7 +316,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["ddp", "ft"],
-        choices=["ddp", *FLOOR_MODES, "ft", "ft_pinned", "ft_sync"],
+        choices=MODES,
         help="ddp_torchft, ddp_quorum: DDPStrategy with torchft's quorum and vote, or its quorum alone, beside it: the "
         "floors under ft (with ddp and ft, the summary also prints where ft's fixed cost lies)",
     )

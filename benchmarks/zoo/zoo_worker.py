@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.common.overhead_worker import write
 from benchmarks.common.run_util import raw_torchft_manager
+from benchmarks.zoo.zoo import FLOOR_MODES, MODES, TORCHRUN_MODES
 from benchmarks.zoo.zoo_models import ZOO, ZooBatches, ZooModule
 from lightning_ft import FTStrategy
 
@@ -138,9 +139,7 @@ class CriticalPathClock(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--mode", choices=["ddp", "ddp_torchft", "ddp_quorum", "ft", "ft_pinned", "ft_sync"], required=True
-    )
+    parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--model", choices=sorted(ZOO), required=True)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, required=True)
@@ -148,12 +147,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    torchrun_mode = args.mode in ("ddp", "ddp_torchft", "ddp_quorum")
-    protocol = (
-        TorchftProtocol(args.accumulate, vote=args.mode == "ddp_torchft")
-        if torchrun_mode and args.mode != "ddp"
-        else None
-    )
+    torchrun_mode = args.mode in TORCHRUN_MODES
+    protocol = TorchftProtocol(args.accumulate, vote=args.mode == "ddp_torchft") if args.mode in FLOOR_MODES else None
     if torchrun_mode:
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         devices = world = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's world: zoo.py --processes
