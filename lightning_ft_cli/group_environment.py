@@ -13,6 +13,14 @@ from lightning_ft_job.events import ENV_EVENTS_DIR, ENV_RUN_ID
 from lightning_ft_job.run_end import ENV_RUN_END_DIR
 from lightning_ft_job.torchrun import group_variables
 
+# The threads each group's processes start, unless the user set them:
+# - OMP_NUM_THREADS: torchrun sets it only for more than one process per node; groups sharing cores need it either way.
+# - TOKIO_WORKER_THREADS: torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker
+#   threads, and every quorum wakes several of them. A group serves a few RPCs per step, which one worker thread
+#   handles; on one machine running every group, the spare threads' wake-ups compete with training
+#   (docs/benchmarks.md). torchft reads this variable when it builds those runtimes.
+GROUP_THREADS = {"OMP_NUM_THREADS": "1", "TOKIO_WORKER_THREADS": "1"}
+
 
 def group_environment(
     group_id: int,
@@ -31,13 +39,8 @@ def group_environment(
         env[ENV_RUN_ID] = run_id
     if start_timeout is not None:
         env[ENV_START_TIMEOUT] = f"{start_timeout:g}"
-    # torchrun sets this only for more than one process per node; groups sharing cores need it either way.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # torchft's ManagerServer and ManagerClient each start a tokio runtime of min(4, cores) worker threads, and every
-    # quorum wakes several of them. A group serves a few RPCs per step, which one worker thread handles; on one
-    # machine running every group, the spare threads' wake-ups compete with training (docs/benchmarks.md). torchft
-    # reads this variable when it builds those runtimes.
-    env.setdefault("TOKIO_WORKER_THREADS", "1")
+    for name, value in GROUP_THREADS.items():
+        env.setdefault(name, value)
     # torchft's Rust side logs several INFO lines per step; keep group output readable unless asked for (--verbose).
     env.setdefault("RUST_LOG", "warn")
     env["PYTHONUNBUFFERED"] = "1"

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_ft_cli.group_environment import GROUP_THREADS
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 LIGHTNING_FT = [sys.executable, "-m", "lightning_ft_cli"]
@@ -39,10 +41,13 @@ def module_command(module: str, *args: str) -> list[str]:
 
 
 def bench_env(**extra: str) -> dict[str, str]:
-    """``repo_env``, and one compute thread per process in every mode (torchrun sets it only with several processes
-    per node), gloo restarts that reconnect (pytorch issue 135712), quiet torchft."""
+    """``repo_env``, and in every mode the threads ``lightning-ft launch`` gives its groups (``GROUP_THREADS``: one
+    compute thread per process, which torchrun sets only with several processes per node, and one tokio worker per
+    torchft runtime, so that a raw torchft Manager under torchrun runs as lightning-ft's do), gloo restarts that
+    reconnect (pytorch issue 135712), quiet torchft."""
     env = repo_env()
-    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", RUST_LOG="warn", PYTHONUNBUFFERED="1")
+    env.update(GROUP_THREADS)
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", RUST_LOG="warn", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 

@@ -114,7 +114,11 @@ def test_launch_refuses_bad_group_ids(group_ids, message):
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("worker_ignores_sigterm", [False, True], ids=["worker-stops", "worker-ignores-sigterm"])
+@pytest.mark.parametrize(
+    "worker_ignores_sigterm",
+    [False, pytest.param(True, marks=pytest.mark.paths)],  # the escalation to SIGKILL: in `make test-extra`
+    ids=["worker-stops", "worker-ignores-sigterm"],
+)
 def test_launch_stops_everything_it_started_on_sigterm(tmp_path, worker_ignores_sigterm):
     """With a worker that ignores SIGTERM (as one stuck in a collective does), torchrun's agent outlasts the
     launcher's grace; the launcher then kills the agent's session and the worker's, which is a session of its own."""

@@ -106,6 +106,9 @@ def test_hsdp_steps_equal_single_process_steps_on_the_global_batch(launch):
         torch.testing.assert_close(model[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# The DDP path of this scenario runs in `make test` (test_one_job.py, every group killed at once resumes from the
+# newest checkpoint); this one, sharded, in `make test-extra`.
+@pytest.mark.paths
 def test_kill_every_group_then_resume_sharded_state_from_last_checkpoint(launch, tmp_path):
     """Checkpoints of sharded state follow the single-writer rule (the writing group gathers the full state, its
     rank 0 writes one file); every process of a new job reads it and re-shards it, and training continues at the

@@ -164,6 +164,7 @@ SECTIONS = [
         3,
         ["--join-timeout-ms=30000"],
         id="validation",
+        marks=pytest.mark.paths,  # `make test` runs the consistency check's collective
     ),
     pytest.param(["--consistency-every=5"], 5, 40, [], id="consistency-check"),
     pytest.param(
