@@ -48,7 +48,7 @@ def drivers(scratch: Path) -> list[tuple[str, str, list[str]]]:
           "--results", out("semi_sync.json"), "--out", out("semi_sync.png")]),
         ("bench-zoo", "benchmarks.zoo.zoo",
          ["--models", "mlp-0.3m", "--accumulate", "1", "--repeats", "1", "--out", out("zoo.json"),
-          "--modes", "ddp", "ddp_quorum", "ddp_torchft", "ft", "--plot", out("zoo-run.png")]),
+          "--modes", "ddp", "ddp_quorum", "ddp_torchft", "ddp_as_ft_quorum", "ft", "--plot", out("zoo-run.png")]),
         ("bench-zoo", "benchmarks.zoo.zoo", ["--summary", "--plot", out("zoo.png")]),
         ("bench-zoo", "benchmarks.zoo.protocol_floor",
          ["--steps", "100", "--repetitions", "1", "--out", out("protocol_floor.json")]),

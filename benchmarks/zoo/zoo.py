@@ -51,9 +51,25 @@ PROCESSES = 2
 WORKER = Path(__file__).with_name("zoo_worker.py")
 # Modes that run DDPStrategy under torchrun; the others run FTStrategy under lightning-ft launch. ``ddp_torchft`` is
 # DDPStrategy with torchft's per-step protocol beside it and no lightning-ft code (zoo_worker.TorchftProtocol),
-# ``ddp_quorum`` with its quorum alone: the floors under ``ft`` that ``floor_split`` reports.
-FLOOR_MODES = {"ddp_torchft": "torchft's quorum and vote", "ddp_quorum": "torchft's quorum"}
-TORCHRUN_MODES = ("ddp", *FLOOR_MODES)
+# ``ddp_quorum`` with its quorum alone: the floors under ``ft`` that ``floor_split`` reports. ``ddp_as_ft`` is
+# DDPStrategy with the DDP settings FTStrategy gives torch's DDP (its bucket cap, which makes one gradient bucket
+# where DDP's default makes two, the unused-parameter search, gradients as bucket views), and ``ddp_as_ft_quorum`` the
+# same with torchft's quorum beside it: the floor with FTStrategy's buckets, above which is lightning-ft's own share.
+FLOOR_MODES = {
+    "ddp_torchft": "torchft's quorum and vote",
+    "ddp_quorum": "torchft's quorum",
+    "ddp_as_ft_quorum": "torchft's quorum and FTStrategy's DDP settings",
+}
+TORCHRUN_MODES = ("ddp", "ddp_as_ft", *FLOOR_MODES)
+# Floor runs made before every benchmark process got lightning-ft launch's threads (run_util.bench_env): their torchft
+# Managers ran tokio's default worker threads (2 here), FTStrategy's 1. Kept, outside the floor's split.
+UNEQUAL_THREAD_FLOOR_RUNS = frozenset(
+    {
+        "20261130T175115Z_47e0d63_floor.json",
+        "20261130T175732Z_47e0d63_floor.json",
+        "20261130T181015Z_47e0d63_floor.json",
+    }
+)
 MODES = (*TORCHRUN_MODES, "ft", "ft_pinned", "ft_sync")  # every mode of zoo_worker.py
 
 
@@ -317,8 +333,9 @@ def main() -> None:
         nargs="+",
         default=["ddp", "ft"],
         choices=MODES,
-        help="ddp_torchft, ddp_quorum: DDPStrategy with torchft's quorum and vote, or its quorum alone, beside it: the "
-        "floors under ft (with ddp and ft, the summary also prints where ft's fixed cost lies)",
+        help="ddp_torchft, ddp_quorum: DDPStrategy with torchft's quorum and vote, or its quorum alone, beside it; "
+        "ddp_as_ft: DDPStrategy with the DDP settings FTStrategy gives DDP, ddp_as_ft_quorum with torchft's quorum "
+        "too: the floors under ft (with ddp and ft, the summary also prints where ft's fixed cost lies)",
     )
     parser.add_argument(
         "--processes",
@@ -355,8 +372,9 @@ def main() -> None:
     if not rows:
         raise SystemExit(f"no zoo results under {RESULTS / 'zoo'}")
     print(table(rows))
+    same_threads = {name: runs for name, runs in kept.items() if name not in UNEQUAL_THREAD_FLOOR_RUNS}
     for floor_mode, floor in FLOOR_MODES.items():
-        floors = floor_split(kept, floor_mode)
+        floors = floor_split(same_threads, floor_mode)
         if floors:
             print(
                 f"\nFTStrategy's fixed cost: {floor} (beside DDPStrategy, no lightning-ft code) and lightning-ft above"

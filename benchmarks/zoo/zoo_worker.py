@@ -7,6 +7,8 @@ the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, 
 ``--mode ddp_torchft``: ``DDPStrategy`` as in ``ddp``, with torchft's per-step protocol beside it and no lightning-ft
 code (:class:`TorchftProtocol`): what a fault-tolerant DDP step on torchft pays as torchft ships it, quorum and vote;
 ``--mode ddp_quorum`` the quorum alone (a one-process group's vote needs no RPC, lightning-ft's ``LocalCommitVote``).
+``--mode ddp_as_ft``: ``DDPStrategy`` with the settings ``FTStrategy()`` gives torch's DDP (:func:`ft_ddp_settings`),
+``--mode ddp_as_ft_quorum`` the same with torchft's quorum beside it, as ``ddp_quorum``.
 Every mode trains the zoo model ``--model`` with ``accumulate_grad_batches=--accumulate`` and writes the time each
 optimizer step ended (``time.perf_counter``) to ``--out`` with their rank or group before the suffix (``steps.0.json``).
 """
@@ -14,6 +16,7 @@ optimizer step ended (``time.perf_counter``) to ``--out`` with their rank or gro
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import time
 from pathlib import Path
@@ -29,8 +32,19 @@ from benchmarks.common.run_util import raw_torchft_manager
 from benchmarks.zoo.zoo import FLOOR_MODES, MODES, TORCHRUN_MODES
 from benchmarks.zoo.zoo_models import ZOO, ZooBatches, ZooModule
 from lightning_ft import FTStrategy
+from lightning_ft.configuration import resolve_configuration
 
 torch.set_num_threads(1)  # the same intra-op threads in every mode
+
+
+def ft_ddp_settings() -> dict[str, Any]:
+    """The keyword arguments ``FTStrategy()``, with its defaults, passes on to ``DDPStrategy`` and torch's DDP (its
+    bucket cap, the unused-parameter search, gradients as bucket views), read from FTStrategy's own resolution of its
+    arguments, so that ``ddp_as_ft`` follows any change of them."""
+    parameters = inspect.signature(FTStrategy.__init__).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    defaults = {p.name: p.default for p in parameters if p.kind in named and p.name != "self"}
+    return resolve_configuration(defaults, {}).ddp_kwargs
 
 
 class OptimizerStepClock(pl.Callback):
@@ -150,7 +164,8 @@ def main() -> None:
     torchrun_mode = args.mode in TORCHRUN_MODES
     protocol = TorchftProtocol(args.accumulate, vote=args.mode == "ddp_torchft") if args.mode in FLOOR_MODES else None
     if torchrun_mode:
-        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        as_ft = ft_ddp_settings() if args.mode in ("ddp_as_ft", "ddp_as_ft_quorum") else {}
+        strategy: Any = DDPStrategy(process_group_backend="gloo", **as_ft)
         devices = world = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's world: zoo.py --processes
     else:
         strategy = FTStrategy(find_unused_parameters=args.mode != "ft_pinned", use_async_quorum=args.mode != "ft_sync")
