@@ -45,3 +45,17 @@ def test_the_split_takes_each_repetitions_own_baseline_and_medians_over_repetiti
 
 def test_a_file_without_the_floor_mode_gives_no_row():
     assert floor_split({"a.json": [run("ddp", 0, 10.0, 20.0), run("ft", 0, 11.0, 21.0)]}, "ddp_quorum") == []
+
+
+def test_every_benchmark_process_runs_with_the_threads_the_launcher_gives_its_groups(monkeypatch):
+    """A raw torchft Manager under torchrun (the zoo's floor modes) must run as lightning-ft's groups do: with tokio's
+    default threads instead, the floor measured torchft with twice the runtime threads that FTStrategy has."""
+    from benchmarks.common.run_util import bench_env
+    from lightning_ft_cli.group_environment import GROUP_THREADS, group_environment
+
+    for name in GROUP_THREADS:  # unset here, as in a shell that never set them
+        monkeypatch.delenv(name, raising=False)
+    assert GROUP_THREADS["TOKIO_WORKER_THREADS"] == "1"
+    launched = group_environment(0, 2, "http://127.0.0.1:1", events_dir=None)
+    for name, value in GROUP_THREADS.items():
+        assert bench_env()[name] == value == launched[name], name
