@@ -64,6 +64,7 @@ from lightning_ft.manager.internals import (
 from lightning_ft.manager.lighthouse_outage import OutageTolerantClient, lighthouse_reachable
 from lightning_ft.manager.listeners import AddressedProcessGroupGloo, group_store, manager_server_bound_to
 from lightning_ft.manager.local_vote import LocalCommitVote
+from lightning_ft.manager.quorum_kind import install_quorum_kind_check
 from lightning_ft.manager.quorum_members import QuorumMembers
 from lightning_ft.manager.telemetry import TimedTransport
 from lightning_ft.manager.torchft_logs import quiet_torchft_logs
@@ -226,6 +227,7 @@ def build_manager(
         replica_id=lifetime_replica_id(manager) if settings.lighthouse is not None else None,
     )
     install_client(manager, client)
+    install_quorum_kind_check(manager, device)  # the first observer: its exchange opens every new process group
     watch = left_behind_watch(manager)
     if watch is not None:  # the process group exists before the Manager: its events name the Manager's step
         watch.current_step = manager.current_step

@@ -76,6 +76,7 @@ class FTManager(Manager):
         self._vetted: int | None = None  # id() of the received state last checked (a reference would pin it)
         self._quorum_observers: list[QuorumObserver] = []
         self._observed_quorum: object = None  # the quorum future last reported to the observers
+        self._latest_request_may_heal = True  # what this process's latest quorum request asked for
 
     @override
     def register_state_dict_fn(
@@ -158,6 +159,7 @@ class FTManager(Manager):
         computed on the same weights. Only a process at step 0 waits for this quorum, and only a job at step 0 heals
         early: a restarted group behind a running job still heals inside the vote and is not counted.
         """
+        self._latest_request_may_heal = allow_heal
         super().start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
         if not (self._use_async_quorum and allow_heal and self._step == 0):
             return
@@ -165,6 +167,13 @@ class FTManager(Manager):
         if self._healing and self._step == 0:  # the whole job is at step 0: torchft's init_sync heal
             self._apply_pending_state_dict()
             self._healing = False
+
+    @property
+    def latest_request_may_heal(self) -> bool:
+        """Whether this process's latest quorum request let a behind replica heal in it (``allow_heal``): a training
+        step's or a sync's does; a sync section's does not (:mod:`lightning_ft.step.collectives`), which is how
+        :mod:`lightning_ft.manager.quorum_kind` tells the two apart."""
+        return self._latest_request_may_heal
 
     def discard_heal(self, reason: Exception) -> None:
         """Load nothing of the state this replica received in the current quorum, and fail the step: ``reason`` says

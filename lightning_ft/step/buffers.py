@@ -226,6 +226,8 @@ class ModelBuffers:
         if self.group_size > 1:  # the group is the unit of failure: an error here stops it, as in DDP
             self._group_sum(changes)
         self._divisor = self.group_size * manager.num_participants()  # waits for the quorum
+        if manager.errored() is not None:  # the new quorum failed its first exchange (lightning_ft.manager.quorum_kind)
+            return
         if not manager.is_participating():  # healing or a spare: it receives the average, it adds nothing
             changes.zero_()
         try:

@@ -29,6 +29,11 @@ That holds in two kinds of places, and only there:
   peers' next step or sync) makes a ``shrink_only`` quorum form with the first survivor that asks, and then hand the
   next survivor only empty quorums (``tests/manager/test_lighthouse_semantics.py``).
 
+  A section's own quorum may still hold a group that finished the section and went on to its next step (a group
+  that died inside the section's last collective made it fail for some survivors only): the quorum's first exchange
+  finds the mix, and the attempt fails for everyone in it before anything else is sent
+  (:mod:`lightning_ft.manager.quorum_kind`).
+
 Everywhere else (Lightning's one-off dataloader checks, the sanity check, a group that has not joined its first
 quorum yet) a reduction stays inside the group, exactly as in plain DDP.
 
@@ -251,9 +256,10 @@ class CrossGroupCollectives:
         Groups must meet in a section at the same position. Should one be somewhere else (a step that committed in
         one group and not in another, just before a section), the odd length keeps it from pairing with anything
         but another handshake: Gloo refuses an exchange whose sizes differ, so a training step's gradients (whole
-        floats) can never be summed with it. Refusing can mean aborting the receiving process (Gloo's
-        ``EnforceNotMet`` in its transport thread, seen here): a restart and a heal, never a wrong sum. A
-        participant at another position ends the attempt.
+        floats) can never be summed with it. Gloo refuses by aborting the receiving process (``EnforceNotMet`` in its
+        transport thread), so a section's own quorum never gets that far with a group in a training step: every new
+        quorum first checks the kinds of its members (:mod:`lightning_ft.manager.quorum_kind`). A participant at
+        another position ends the attempt.
         """
         mine = torch.tensor(list(self.position()), dtype=torch.int64)
         slot = mine.view(torch.uint8)

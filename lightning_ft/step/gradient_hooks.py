@@ -150,6 +150,8 @@ def cross_group_average(
     if manager.errored() is not None:  # the step is lost already; its gradients are never applied
         return _completed(buffer)
     divisor = group_world_size * manager.num_participants()  # waits for the quorum, as torchft's does
+    if manager.errored() is not None:  # the new quorum failed its first exchange (lightning_ft.manager.quorum_kind)
+        return _completed(buffer)
     if not manager.is_participating():
         buffer.zero_()
     deadline = state.step_deadline
