@@ -10,6 +10,12 @@ group killed again right after it rejoins included) and at a random point of its
 * ``quorum``: with the lighthouse's answer in hand, before the group acts on it (heals, joins the collective);
 * ``allreduce``: inside the step's (or the sync's) cross-group allreduce, the peers left waiting in theirs.
 
+A schedule drawn ``with sections`` validates every ``VALIDATE_EVERY`` batches and kills inside a sync section instead:
+
+* ``section``: inside a validation's cross-group collective (group rank 0's, the rank that exchanges in sections),
+  the peers left waiting in theirs; they take the section again on a quorum of their own, which the victim's restart
+  and the groups already back in their steps may meet.
+
 Kills are carried out one after another, never of every group at once: a group is killed only while another group
 is up (its current process has committed a step, or has finished). Survivors are never held for a victim: each batch
 takes ``BATCH_SLEEP_S`` more, so that a restart (a few seconds) often rejoins before the end, and a victim killed near
@@ -43,6 +49,8 @@ PATHS = {
 }
 SEMI_SYNC = ("local_sgd", "diloco", "streaming_diloco")
 POINTS = ("batch_start", "quorum", "allreduce")
+SECTION_POINT = "section"
+VALIDATE_EVERY = 4  # batches: a validation (a sync section) every few steps of a 24- to 40-step job
 # How long one kill may take to carry out, and the job to end after the last one, on a loaded 2-core machine.
 KILL_DEADLINE_S = 150.0
 # Added to every batch, so that a job of 24 to 40 steps lasts about as long as a restart (an inner step of this model
@@ -70,10 +78,12 @@ class FaultSchedule:
     path: str
     max_steps: int
     kills: tuple[Kill, ...]
+    sections: bool = False
 
     @property
     def worker_args(self) -> list[str]:
-        return [f"--max-steps={self.max_steps}", f"--batch-sleep={BATCH_SLEEP_S}", *PATHS[self.path]]
+        validation = [f"--val-every={VALIDATE_EVERY}"] if self.sections else []
+        return [f"--max-steps={self.max_steps}", f"--batch-sleep={BATCH_SLEEP_S}", *PATHS[self.path], *validation]
 
     @property
     def launcher_args(self) -> list[str]:
@@ -93,20 +103,29 @@ class FaultSchedule:
 
     def describe(self) -> str:
         kills = ", ".join(f"group {k.group} rank {k.rank} at step {k.step} ({k.point})" for k in self.kills)
+        validation = f", validation every {VALIDATE_EVERY} batches" if self.sections else ""
         return (
             f"seed {self.seed}: {self.groups} groups x {self.nproc} process(es), {self.path}, "
-            f"max_steps={self.max_steps}; kills: {kills}"
+            f"max_steps={self.max_steps}{validation}; kills: {kills}"
         )
 
     def replay_command(self) -> str:
+        test = (
+            "test_kills_inside_sync_sections_keep_one_job_one_model"
+            if self.sections
+            else "test_a_random_fault_schedule_keeps_one_job_one_model"
+        )
         return (
             f"FAULT_SCHEDULE_SEEDS={self.seed} .venv/bin/python -m pytest -m '' "
-            f"'tests/start/test_fault_schedules.py::test_a_random_fault_schedule_keeps_one_job_one_model'"
+            f"'tests/start/test_fault_schedules.py::{test}'"
         )
 
 
-def generate(seed: int) -> FaultSchedule:
-    """The schedule of ``seed``: the same on every machine and Python version (only ``random.Random`` draws)."""
+def generate(seed: int, sections: bool = False) -> FaultSchedule:
+    """The schedule of ``seed``: the same on every machine and Python version (only ``random.Random`` draws).
+
+    ``sections``: the same draws, with a validation every :data:`VALIDATE_EVERY` batches and every kill inside one
+    of its collectives, on group rank 0 (the seed's other schedule is unchanged)."""
     rng = random.Random(seed)
     groups = rng.choice((2, 2, 3))
     path = rng.choice(sorted(PATHS))
@@ -124,7 +143,9 @@ def generate(seed: int) -> FaultSchedule:
         else:
             group = rng.randrange(groups)
         kills.append(Kill(group, rng.randrange(nproc), max(step, previous.step if previous else 0), rng.choice(POINTS)))
-    return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills))
+    if sections:
+        kills = [Kill(kill.group, 0, kill.step, SECTION_POINT) for kill in kills]
+    return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills), sections)
 
 
 def _up(job: LaunchedJob, group: int, nproc: int) -> bool:

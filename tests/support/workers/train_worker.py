@@ -304,6 +304,8 @@ class TestGates(pl.Callback):
       k of an accumulation window (``batch_idx % accumulate_grad_batches == k``; ``paused`` event).
     * ``<dir>/pause.group<G>.allreduce``: group G stops in its next cross-group allreduce, before handing it to the
       process group: its peers are left waiting in theirs (``paused`` event).
+    * ``<dir>/pause.group<G>.section``: the same for its next cross-group allreduce outside a step's quorum: a sync
+      section's (validation's), on group rank 0, the rank that exchanges in sections.
     * ``<dir>/pause.group<G>.quorum``: group G stops with its next quorum's answer in hand, before acting on it.
     * ``<dir>/pause.group<G>.heal_send``: when group G next serves its state to a healing group over HTTP, it sends
       the first half of the bytes and stops there (``paused`` event), the healing group's fetch still open.
@@ -328,11 +330,16 @@ class TestGates(pl.Callback):
         process_group = cross_group_process_group(trainer.strategy.manager)
         allreduce = process_group.allreduce
         pause = self.directory / f"pause.group{self.group}.allreduce"
+        section_pause = self.directory / f"pause.group{self.group}.section"
+        protocol = trainer.strategy.step_protocol
 
         def pausing_allreduce(*args: Any, **kwargs: Any) -> Any:
             if pause.exists():
                 events.emit("paused", phase="allreduce", step=trainer.global_step)
                 self._wait(lambda: not pause.exists(), f"{pause} to disappear")
+            if section_pause.exists() and not protocol.quorum_open:  # a sync section's (validation's) collective
+                events.emit("paused", phase="section", step=trainer.global_step)
+                self._wait(lambda: not section_pause.exists(), f"{section_pause} to disappear")
             return allreduce(*args, **kwargs)
 
         process_group.allreduce = pausing_allreduce
