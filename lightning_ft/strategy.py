@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,6 +51,7 @@ from lightning_ft.step.gradient_hooks import fsdp_cross_group_hook, install_ddp_
 from lightning_ft.step.modes import check_nothing_unfrozen, check_optimizers
 from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.step.unfinished_reduction import reword_ddp_reduction_error
 from lightning_ft.step.unused_parameter_note import first_forward_without_torch_note
 from lightning_ft.strategy_arguments import FTStrategyArguments
 from lightning_ft_job import events
@@ -159,18 +160,16 @@ class FTStrategy(FTStrategyArguments):
 
     @property
     def is_checkpoint_writer(self) -> bool:
-        """Whether this process writes the job's global checkpoints: rank 0 of the lowest-numbered group taking part
-        in the current quorum (the duty moves on when that group dies; a healing group never writes). Outside
-        fitting, and in a job of one group, group 0's rank 0 (before the first quorum too: ``Tuner.lr_find``)."""
+        """Whether this process writes the job's checkpoints: rank 0 of the lowest-numbered group in the quorum (never
+        a healing one); outside fitting, or with one group, group 0's rank 0 (before any quorum: ``Tuner.lr_find``)."""
         if self.global_rank != 0 or self._fit is None or self._fit.protocol is None or self.num_replica_groups == 1:
             return self.global_rank == 0 and self.replica_group_id == 0
         return self._fit.manager.participating_rank() == 0
 
     def start_quorum(self) -> None:
         """Begin the current optimizer step now, as its owner does at the latest in ``on_train_batch_start``: its
-        quorum opens (a behind group heals here with synchronous quorum) and Lightning's step counters are put on
-        the committed count; a no-op once the step has begun. Per-step training only (else ``NotAvailableError``):
-        a semi-synchronous sync opens its own quorum."""
+        quorum opens (a behind group heals here with synchronous quorum), the step counters go on the committed
+        count; a no-op once begun. Per-step training only (``NotAvailableError``: a sync opens its own quorum)."""
         if not isinstance(owner := self.step_owner, StepOwner):
             raise NotAvailableError("FTStrategy.start_quorum: a semi-synchronous fit's syncs open their own quorums.")
         owner.begin(self._module.trainer)
@@ -185,9 +184,8 @@ class FTStrategy(FTStrategyArguments):
     # ------------------------------------------------------------------ ranks and data
     @override
     def set_world_ranks(self) -> None:
-        """Ranks stay group-local; Lightning's rank-zero rule (loggers, rank-zero messages) becomes job-wide: rank 0
-        of group 0 only, as global rank 0 in plain DDP. Data code learns its job-wide shard from
-        :func:`lightning_ft.job_shard`."""
+        """Ranks stay group-local; Lightning's rank-zero rule (loggers, messages) becomes job-wide: rank 0 of group 0
+        only, as in plain DDP. Data code learns its job-wide shard from :func:`lightning_ft.job_shard`."""
         super().set_world_ranks()
         rank_zero_only.rank = utilities_rank_zero_only.rank = self.job_shard.rank  # type: ignore[attr-defined]  # Lightning's own rank-zero attribute
 
@@ -271,9 +269,8 @@ class FTStrategy(FTStrategyArguments):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """As ``DDPStrategy``'s (FSDP2 sharding in place of the DDP wrapper with ``data_parallel="fsdp"``); while
-        fitting, refuse what cannot work and make Lightning's loops count committed steps
-        (:func:`~lightning_ft.loop_patches.prepare_the_fit`).
+        """As ``DDPStrategy``'s (FSDP2 sharding instead of DDP with ``data_parallel="fsdp"``); while fitting, refuse
+        what cannot work and make Lightning's loops count committed steps (``loop_patches.prepare_the_fit``).
 
         Raises:
             FTConfigError: A setting the fit cannot honour (LBFGS per step, a time-based ``val_check_interval``
@@ -349,11 +346,8 @@ class FTStrategy(FTStrategyArguments):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """As ``DDPStrategy``'s; the step owner reads the loss it returns."""
-        if self._torch_note_pending:
-            self._torch_note_pending = False
-            with first_forward_without_torch_note():
-                output = super().training_step(*args, **kwargs)
-        else:
+        note, self._torch_note_pending = self._torch_note_pending, False
+        with first_forward_without_torch_note() if note else nullcontext():
             output = super().training_step(*args, **kwargs)
         if self._fit is not None and isinstance(self._fit.owner, StepOwner):
             self._fit.owner.saw_output(output)
@@ -474,14 +468,20 @@ class FTStrategy(FTStrategyArguments):
     # ------------------------------------------------------------------ the end
     @override
     def on_train_end(self) -> None:
-        """Record the job's end; the ``finished`` event, with a fingerprint of the final state when the event log
-        was asked for explicitly (the fault tests; never by default: with FSDP it gathers the whole state)."""
+        """Record the job's end; the ``finished`` event, with the final state's fingerprint when the event log was
+        asked for (the fault tests; never by default: with FSDP it gathers the whole state)."""
         trainer = self._module.trainer
         if self._lifecycle is not None and self._fit is not None and self._fit.protocol is not None:
             self._lifecycle.record_the_end(trainer, self.manager.current_step())
         if events.enabled():
             fingerprint = {"fingerprint": state_fingerprint(trainer)} if events.requested() else {}
             events.emit("finished", step=self.manager.current_step(), global_step=trainer.global_step, **fingerprint)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """DDP's unfinished-reduction error names FTStrategy's setting (lightning_ft.step.unfinished_reduction)."""
+        reword_ddp_reduction_error(exception)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ from torch.serialization import _load as load_from_zip_file
 __all__ = [
     "PRIVATE_USES",
     "PseudoZipFile",
+    "ddp_reduction_pending",
     "fused_copy",
     "load_from_zip_file",
     "nccl_flight_recorder_resettable",
@@ -43,6 +44,8 @@ PRIVATE_USES = {
     "_push_all_rebuilt_params": "make DDP rebuild its buckets before the first step, alike in every group; a "
     "public bucket-layout control",
     "_rebuild_buckets": "same",
+    "_check_reducer_finalized": "whether DDP reduced every gradient bucket of the backward pass before the step's "
+    "vote; a public query of the reducer's state",
     # manager/listeners.py: a Gloo process group bound to the advertised address
     "_create_pg": "torchft's ProcessGroupGloo builds its group here (torch's Gloo, bound to one address); a bind "
     "address option",
@@ -79,3 +82,14 @@ def rebuild_ddp_buckets(reducer: Any) -> bool:
     did."""
     reducer._push_all_rebuilt_params()
     return bool(reducer._rebuild_buckets())
+
+
+def ddp_reduction_pending(model: Any) -> str | None:
+    """torch's reason if DDP's backward pass left gradient buckets unreduced (a bucket some parameter of which got no
+    gradient, with ``find_unused_parameters=False``); ``None`` when every bucket was reduced, or no backward pass
+    began since the last reduction. DDP itself raises the same at the next forward pass."""
+    try:
+        model._check_reducer_finalized()
+    except RuntimeError as error:
+        return str(error)
+    return None

@@ -159,9 +159,10 @@ LIGHTNING_FT_ERROR = re.compile(
 )
 
 
-def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, last_errors: dict[int, str]) -> None:
-    """Print a group's output with its prefix, and keep the last lightning-ft error it printed (``last_errors``):
-    the launcher repeats it when the group fails, so that the reason is not lost above other groups' output."""
+def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, errors: dict[int, list[str]]) -> None:
+    """Print a group's output with its prefix, and keep the first and the last lightning-ft error it printed
+    (``errors``): the launcher repeats them when the group fails, so that the reason is not lost above other groups'
+    output. The first, because a restart's own error (no live peer left to heal from) may follow the cause."""
     prefix = f"[group {group_id}] "
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
@@ -169,7 +170,8 @@ def _relay_output(group_id: int, stream: IO[bytes], lock: threading.Lock, last_e
         with lock:
             if error is not None:
                 name, why = (error.group(1), error.group(2)) if error.group(1) else (error.group(3), error.group(4))
-                last_errors[group_id] = f"{name}: {why}"
+                said = errors.setdefault(group_id, [])
+                said[1 if said else 0 :] = [f"{name}: {why}"]  # [first] or [first, last]
             sys.stdout.write(prefix + line + "\n")
             sys.stdout.flush()
     stream.close()
@@ -288,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
 
     lock = threading.Lock()
-    last_errors: dict[int, str] = {}
+    errors: dict[int, list[str]] = {}  # each group's first and last lightning-ft error
     monkey: ChaosMonkey | None = None
     job = JobState(group_ids, args.finish_grace, time.monotonic)
     arrivals = ArrivalWatch(group_ids, args.warn_unreached_after, time.monotonic)
@@ -311,9 +313,7 @@ def run(args: argparse.Namespace) -> int:
                 preexec_fn=terminate_with_parent(),  # the launcher SIGKILLed: its groups stop, not run on unseen
             )
             groups.append(ReplicaGroup(group_id, process))
-            relay = threading.Thread(
-                target=_relay_output, args=(group_id, process.stdout, lock, last_errors), daemon=True
-            )
+            relay = threading.Thread(target=_relay_output, args=(group_id, process.stdout, lock, errors), daemon=True)
             relay.start()
             relays.append(relay)
 
@@ -360,11 +360,12 @@ def run(args: argparse.Namespace) -> int:
         return 130
     failed = [group for group in groups if group.group_id in job.failed]
     for group in failed:
-        error = last_errors.get(group.group_id)
+        said = errors.get(group.group_id, [])
+        first = f". Its first error: {said[0].rstrip('.')}" if len(said) == 2 and said[0] != said[1] else ""
         print(
             f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "
             f"using up --max-restarts={args.max_restarts}; its output is above, prefixed [group {group.group_id}]"
-            + (f". Its last error: {error}" if error else "."),
+            + (f"{first}. Its last error: {said[-1]}" if said else "."),
             file=sys.stderr,
             flush=True,
         )

@@ -85,6 +85,7 @@ class CommitGatedOptimizer:
         protocol: StepProtocol,
         skip_non_finite: bool = True,
         gradient_check: Callable[[], Callable[[], bool] | None] | None = None,
+        reduction_check: Callable[[], None] | None = None,
     ) -> None:
         self._optimizer = optimizer
         self._protocol = protocol
@@ -93,6 +94,9 @@ class CommitGatedOptimizer:
         # (lightning_ft.step.gradient_hooks); None when it could not tell, and the optimizer's gradients are then
         # checked here.
         self._gradient_check = gradient_check
+        # Raises if the closure's backward pass left gradients out of the cross-group average
+        # (lightning_ft.step.unfinished_reduction): before the vote, and before a later optimizer of a decided step.
+        self._reduction_check = reduction_check
 
     def _finite_check(self) -> Callable[[], bool]:
         check = self._gradient_check() if self._gradient_check is not None else None
@@ -100,6 +104,8 @@ class CommitGatedOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = closure() if closure is not None else None
+        if self._reduction_check is not None:
+            self._reduction_check()
         # Both are read after the vote's device sync, before the vote is cast; queued already at the end of the
         # backward pass where a vote fence marks it (StepOwner.backward_done).
         if not self._protocol.decided and not self._protocol.vote_inputs_queued:

@@ -47,6 +47,7 @@ from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.process_group.step_deadline import StepDeadline
 from lightning_ft.step.protocol import StepProtocol
+from lightning_ft.step.unfinished_reduction import check_reduction_finished
 from lightning_ft.torch_internals import non_finite_check_and_unscale, rebuild_ddp_buckets
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
@@ -66,6 +67,9 @@ class FTCommState:
     # On NCCL and a CUDA device: the point at the end of the backward pass that the step's vote waits for, instead of
     # every kernel queued before it (lightning_ft.manager.vote_fence). ``None`` elsewhere.
     vote_fence: VoteFence | None = None
+    # The group's DDP wrapper, asked after each backward pass whether it reduced every bucket
+    # (:meth:`check_reduction_finished`). ``None``: not checked.
+    ddp: DistributedDataParallel | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -87,6 +91,13 @@ class FTCommState:
         reciprocal = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=buffer.device)
         non_finite_check_and_unscale([buffer], flag, reciprocal)
         self.checked_buckets += 1
+
+    def check_reduction_finished(self) -> None:
+        """Raise :class:`~lightning_ft.step.unfinished_reduction.UnusedParameterError` if the latest backward pass
+        left buckets that this hook never saw (a parameter without a gradient under ``find_unused_parameters=False``):
+        their gradients crossed no group, and the step must not commit."""
+        if self.ddp is not None:
+            check_reduction_finished(self.ddp)
 
     def take_collective_count(self) -> int:
         """How many cross-group collectives the current step launched; the count starts over."""
@@ -238,6 +249,7 @@ def install_ddp_cross_group_hook(
         before_allreduce=protocol.before_cross_group_allreduce,
         step_deadline=_step_deadline(manager) if over_nccl else None,
         vote_fence=VoteFence(device) if over_nccl and device.type == "cuda" else None,
+        ddp=model,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     protocol.vote_fence = state.vote_fence

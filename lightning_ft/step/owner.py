@@ -126,6 +126,7 @@ class StepOwner:
             protocol,
             skip_non_finite=self._skip_non_finite,
             gradient_check=comm_state.take_gradient_check if comm_state is not None else None,
+            reduction_check=comm_state.check_reduction_finished if comm_state is not None else None,
         )
         try:
             output = precision_plugin.optimizer_step(gated, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]  # a view with the optimizer's attributes
@@ -133,7 +134,9 @@ class StepOwner:
             if comm_state is not None:  # a step that never reached the gate (GradScaler skipped it) leaves a check
                 comm_state.take_gradient_check()
                 self._collectives = comm_state.take_collective_count()
-        if not protocol.decided:
+        if not protocol.decided:  # GradScaler skipped the optimizer: the vote is still taken, and checked alike
+            if comm_state is not None:
+                comm_state.check_reduction_finished()
             protocol.commit()
         return output
 

@@ -323,3 +323,55 @@ def test_a_model_under_25_mib_crosses_groups_in_one_collective_per_step(monkeypa
     assert buckets(**passed_on) == 1
     assert buckets(find_unused_parameters=True) == 2  # torch's default cap: the layout FTStrategy no longer uses
     assert FTStrategy(bucket_cap_mb=1)._ddp_kwargs["bucket_cap_mb"] == 1  # a user's own cap wins
+
+
+def test_a_backward_pass_that_leaves_a_parameter_out_is_named_before_the_vote():
+    """``find_unused_parameters=False``: a backward pass that never reached some parameters leaves their buckets
+    unreduced; the check the step owner makes before the vote raises, naming them as the model does (DDP lists indices
+    among the parameters it reduces: a frozen one, one DDP ignores and a second use of a shared one are not counted).
+    A complete backward pass, and a forward pass without one (nothing began to reduce), pass."""
+    from lightning_ft.step.unfinished_reduction import UnusedParameterError, check_reduction_finished
+
+    group = _standalone_gloo_group()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = torch.nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+            self.ignored = torch.nn.Linear(4, 4)
+            self.first = torch.nn.Linear(4, 4)
+            self.shared = self.first  # the same parameters under a second name
+            self.last = torch.nn.Linear(4, 1)
+            self.skip = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.shared(self.ignored(self.frozen(x)))
+            return torch.nn.functional.linear(hidden, self.last.weight) if self.skip else self.last(hidden)
+
+    net = Net()
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["ignored.weight"])
+    model = torch.nn.parallel.DistributedDataParallel(net, process_group=group, find_unused_parameters=False)
+    model(torch.randn(2, 4)).sum().backward()
+    check_reduction_finished(model)
+    model(torch.randn(2, 4))  # no backward pass: nothing to reduce
+    check_reduction_finished(model)
+    net.skip = True
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(UnusedParameterError, match=r"\(last\.bias\).*FTStrategy\(find_unused_parameters=True\)"):
+        check_reduction_finished(model)
+
+
+def test_ddp_s_own_complaint_names_ft_strategy_s_setting_not_ddp_strategy_s():
+    """Where no vote checks first (a semi-synchronous inner step), DDP raises at the next forward pass and Lightning's
+    DDPStrategy rewords it to name ``DDPStrategy(find_unused_parameters=True)``; FTStrategy's message names its own
+    setting, and Lightning's rewording no longer matches it. Other errors are left as they are."""
+    from lightning_ft import FTStrategy
+
+    ddp_says = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
+    FTStrategy().on_exception(ddp_says)
+    assert "FTStrategy(find_unused_parameters=True)" in str(ddp_says)
+    assert "DDPStrategy" not in str(ddp_says)
+    other = RuntimeError("something else")
+    FTStrategy().on_exception(other)
+    assert str(other) == "something else"

@@ -44,9 +44,11 @@ class Regressor(pl.LightningModule):
         hidden: int = 32,
         batchnorm: bool = False,
         optimizers: int = 1,
+        unused_bias_at_step: int | None = None,
     ) -> None:
         super().__init__()
         self.optimizer_count = optimizers
+        self.unused_bias_at_step = unused_bias_at_step
         # BatchNorm: buffers (running statistics) that each group's forward pass changes from its own batch
         norm = [torch.nn.BatchNorm1d(hidden)] if batchnorm else []
         # (no bias before a BatchNorm, as usual: its gradient is zero up to rounding, which Adam would amplify)
@@ -62,7 +64,12 @@ class Regressor(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y = batch[0], batch[1]  # an indexed dataset adds the sample ids
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == self.unused_bias_at_step:  # a step in which one parameter gets no gradient
+            last = self.net[-1]
+            prediction = torch.nn.functional.linear(self.net[:-1](x), last.weight)
+        else:
+            prediction = self.net(x)
+        loss = torch.nn.functional.mse_loss(prediction, y)
         self.log("train_loss", loss, batch_size=len(x))
         if self.sync_train_log:
             self.log("train_loss_all", loss, sync_dist=True)
@@ -666,6 +673,10 @@ def main() -> None:
         metavar="G:A",
         help="group G's restart attempt A SIGKILLs itself at its first batch, after asking to join, before healing",
     )
+    parser.add_argument(
+        "--unused-bias-at-step", type=int, default=None, help="the last layer's bias unused in this step's forward"
+    )
+    parser.add_argument("--unused-bias-groups", default=None, help="with --unused-bias-at-step: these groups only")
     parser.add_argument("--batch-sleep", type=float, default=0.0, help="sleep this long at each batch's start")
     parser.add_argument(
         "--weight-averaging", choices=["ema", "equal"], default=None, help="Lightning's EMA or equal WeightAveraging"
@@ -802,6 +813,11 @@ def main() -> None:
         hidden=hidden,
         batchnorm=args.batchnorm,
         optimizers=args.optimizers,
+        unused_bias_at_step=(
+            args.unused_bias_at_step
+            if args.unused_bias_groups is None or str(group) in args.unused_bias_groups.split(",")
+            else None
+        ),
     )
     if args.compile:  # dynamo's capture and its OptimizedModule (state-dict names with _orig_mod.); no inductor
         model.net = torch.compile(model.net, backend="eager")

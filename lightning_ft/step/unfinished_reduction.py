@@ -1,0 +1,98 @@
+"""A step whose backward pass left gradients out of DDP's reduction is never committed, and DDP's own complaint about
+it names FTStrategy's setting.
+
+With ``FTStrategy(find_unused_parameters=False)`` DDP reduces a gradient bucket once every parameter in it has its
+gradient, and launches the buckets in order. A training step whose loss leaves a parameter out (a branch not taken,
+a layer skipped for one batch) leaves that bucket, and every bucket after it, unreduced: the communication hook never
+runs for them, so their gradients cross neither the group nor the replica groups. DDP only says so at the next
+forward pass ("Expected to have finished reduction in the prior iteration"), after the optimizer has stepped: each
+group would have applied its own gradients and committed the step, and the job would hold one model per group.
+
+So the step owner asks DDP after the step's backward pass, before the vote and before every later optimizer of the
+same step (:func:`check_reduction_finished`). An unfinished reduction raises :class:`UnusedParameterError` in this
+process before it votes: its group does not commit the step, and stops. Another group that used every parameter
+sends the bucket this group never sends; that collective fails when this process exits, or at ``timeout``, and that
+group does not commit the step either (it may go on without this group). A restart cannot help (the model does the
+same again), so the error says what to change. With ``find_unused_parameters=True`` (FTStrategy's default) DDP marks
+the missing gradients ready itself and this never happens.
+
+:func:`reword_ddp_reduction_error` is for the paths that do not vote per step (LocalSGD's and DiLoCo's inner steps,
+the group's own): DDP's error at the next forward pass, which Lightning's ``DDPStrategy`` rewords to name its own
+setting, names FTStrategy's instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lightning_ft.errors import UnsupportedModelError
+from lightning_ft.torch_internals import ddp_reduction_pending
+
+FIX = (
+    "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in every training step's "
+    "loss: set FTStrategy(find_unused_parameters=True) (the default) for a model that leaves some out, or make its "
+    "loss use them all."
+)
+
+# DDP's message (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished); the pattern Lightning's
+# DDPStrategy.on_exception matches too, so no message of ours quotes it.
+_DDP_MESSAGE = re.compile(r".*Expected to have finished reduction in the prior iteration.*", re.DOTALL)
+# The line of DDP's message that lists the parameters, by their index among the parameters DDP reduces.
+_DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+class UnusedParameterError(UnsupportedModelError):
+    """A training step's backward pass left a parameter without a gradient while DDP expected one for each
+    (``find_unused_parameters=False``): the step is not committed, and the group stops. The message names the fix."""
+
+
+def check_reduction_finished(model: Any) -> None:
+    """Raise :class:`UnusedParameterError` if DDP ``model``'s latest backward pass left gradient buckets unreduced.
+
+    Cheap (one flag read under the reducer's lock): called once per optimizer of every step.
+    """
+    pending = ddp_reduction_pending(model)
+    if pending is not None:
+        raise UnusedParameterError(
+            "lightning-ft: a parameter got no gradient in this training step's backward pass"
+            f"{_named(model, pending)}, so DDP never averaged the gradients of its bucket, across the group or across "
+            f"the replica groups; this step is not committed, and this group stops. {FIX}"
+        )
+
+
+def _named(model: Any, ddp_message: str) -> str:
+    """`` (net.2.bias)``: the parameters DDP's message lists by index, named; empty if it lists none.
+
+    DDP indexes the parameters it reduces in the order it collects them (``DistributedDataParallel.
+    _build_params_for_reducer``): module by module, each module's own trainable parameters not in
+    ``parameters_to_ignore``, a shared one at its first place only."""
+    listed = _DDP_INDICES.search(ddp_message)
+    if listed is None:
+        return ""
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    reduced: list[str] = []
+    seen: set[int] = set()
+    for module_name, module in model.module.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            qualified = f"{module_name}.{name}" if module_name else name
+            if parameter.requires_grad and qualified not in ignored and id(parameter) not in seen:
+                seen.add(id(parameter))
+                reduced.append(qualified)
+    indices = [int(index) for index in listed.group(1).split()]
+    names = [reduced[index] if index < len(reduced) else f"index {index}" for index in indices]
+    return f" ({', '.join(names)})"
+
+
+def reword_ddp_reduction_error(exception: BaseException) -> None:
+    """Replace DDP's "Expected to have finished reduction" message in ``exception`` by one that names FTStrategy's
+    setting (``FTStrategy.on_exception``); any other exception is left as it is."""
+    exception.args = tuple(
+        (
+            "lightning-ft: a parameter got no gradient in the previous training step's backward pass, so DDP did "
+            f"not finish reducing its gradients before this forward pass. {FIX}"
+        )
+        if isinstance(arg, str) and _DDP_MESSAGE.match(arg)
+        else arg
+        for arg in exception.args
+    )
