@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from torch.distributed import AllreduceOptions, ReduceOp
 from torch.optim import Optimizer
 from torchft import Manager, ProcessGroupGloo
 from torchft._torchft import ManagerClient
@@ -129,6 +130,12 @@ def lifetime_replica_id(manager: Manager) -> str:
     """This process lifetime's replica id as the lighthouse knows it (the group's id, ``:``, a fresh uuid), which
     torchft's group rank 0 publishes in the group's store."""
     return manager._store.get(REPLICA_ID_KEY).decode("utf-8")
+
+
+#: The options of every sum lightning-ft sends on the cross-group process group itself (the gradient hook, the
+#: buffers' average, the quorum-kind and job-contract exchanges): ``process_group.allreduce([t], CROSS_GROUP_SUM)``.
+CROSS_GROUP_SUM = AllreduceOptions()
+CROSS_GROUP_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
 
 
 def cross_group_process_group(manager: Manager) -> ProcessGroup:

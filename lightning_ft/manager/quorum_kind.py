@@ -28,15 +28,11 @@ either member. That takes a section collective that failed on one member, comple
 from __future__ import annotations
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp
 
 from lightning_ft.errors import LightningFTError
 from lightning_ft.manager.ft_manager import FTManager, QuorumSeen
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.manager.internals import CROSS_GROUP_SUM, cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft_job import events
-
-_SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch stubs type it as the enum class, not its value
 
 # The exchange's buffer: [members that asked for a sync section, members that asked for a training step or sync].
 _SECTION, _STEP = 0, 1
@@ -64,7 +60,6 @@ class QuorumKindCheck:
     def __init__(self, manager: FTManager, device: torch.device) -> None:
         self.manager = manager
         self.device = device
-        self.checks = 0
         self._checked_quorum_id: int | None = None
 
     def quorum_waited(self, seconds: float) -> None:
@@ -76,14 +71,13 @@ class QuorumKindCheck:
         if quorum.quorum_id == self._checked_quorum_id:
             return
         self._checked_quorum_id = quorum.quorum_id
-        self.checks += 1
         manager = self.manager
         asked_for_section = not manager.latest_request_may_heal
         device = torch.device("cpu") if crosses_groups_over_gloo(manager) else self.device
         counts = torch.zeros(2, dtype=torch.int64, device=device)
         counts[_SECTION if asked_for_section else _STEP] = 1
         try:
-            cross_group_process_group(manager).allreduce([counts], _SUM).wait()
+            cross_group_process_group(manager).allreduce([counts], CROSS_GROUP_SUM).wait()
         except Exception as error:  # a member died or timed out: nothing more goes over this group
             manager.report_error(error)
             return

@@ -38,18 +38,14 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp
 
 from lightning_ft.manager import FTManager
 from lightning_ft.manager.ft_manager import QuorumSeen
-from lightning_ft.manager.internals import cross_group_process_group
+from lightning_ft.manager.internals import CROSS_GROUP_SUM, cross_group_process_group
 from lightning_ft.start.job_settings import CONTRACT_KEY, JobContract, JobContractError, describe_job
 from lightning_ft_job import events
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
-
-_SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch stubs type it as the enum class, not its value
 
 
 def install_contract_check(
@@ -181,7 +177,7 @@ class JobContractCheck:
 
     def _sum(self, tensor: torch.Tensor) -> bool:
         try:
-            cross_group_process_group(self.manager).allreduce([tensor], _SUM).wait()
+            cross_group_process_group(self.manager).allreduce([tensor], CROSS_GROUP_SUM).wait()
         except Exception as error:  # a member died or timed out: the step fails with it, as any collective's would
             self.manager.report_error(error)
             return False

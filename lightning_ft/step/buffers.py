@@ -54,17 +54,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import Manager
 
 from lightning_ft.errors import UnsupportedModelError
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo
+from lightning_ft.manager.internals import CROSS_GROUP_SUM, cross_group_process_group, crosses_groups_over_gloo
 from lightning_ft.torch_internals import fused_copy
 
 log = logging.getLogger("lightning.pytorch.lightning_ft")
-
-_SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
 
 
 def synced_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -231,7 +227,7 @@ class ModelBuffers:
         if not manager.is_participating():  # healing or a spare: it receives the average, it adds nothing
             changes.zero_()
         try:
-            future = cross_group_process_group(manager).allreduce([changes], _SUM).get_future()
+            future = cross_group_process_group(manager).allreduce([changes], CROSS_GROUP_SUM).get_future()
             if not crosses_groups_over_gloo(manager):  # Gloo's own timeout bounds it; others get the Manager's
                 future = manager.wrap_future(future, default=None)
             self._pending = future

@@ -37,12 +37,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed import AllreduceOptions, ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager
 
 from lightning_ft.errors import UnsupportedModelError
-from lightning_ft.manager.internals import cross_group_process_group, crosses_groups_over_gloo, process_group_timeout
+from lightning_ft.manager.internals import (
+    CROSS_GROUP_SUM,
+    cross_group_process_group,
+    crosses_groups_over_gloo,
+    process_group_timeout,
+)
 from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.process_group.step_deadline import StepDeadline
@@ -168,9 +172,9 @@ def cross_group_average(
     deadline = state.step_deadline
     try:
         if deadline is not None:
-            work = deadline.allreduce([buffer], _SUM)
+            work = deadline.allreduce([buffer], CROSS_GROUP_SUM)
         else:
-            work = cross_group_process_group(manager).allreduce([buffer], _SUM)
+            work = cross_group_process_group(manager).allreduce([buffer], CROSS_GROUP_SUM)
     except Exception as error:
         _report(manager, error)
         return _completed(buffer)
@@ -189,10 +193,6 @@ def cross_group_average(
     if deadline is not None:
         deadline.launched(averaged)
     return averaged
-
-
-_SUM = AllreduceOptions()
-_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
 
 
 def _report(manager: Manager, error: Exception) -> None:
