@@ -32,6 +32,7 @@ first, as the DDP hook does.
 # No `from __future__ import annotations` here: torch's DDP inspects the hook's annotations at registration and
 # requires the real GradBucket / Future[Tensor] objects, not strings.
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,8 +73,10 @@ class FTCommState:
     # every kernel queued before it (lightning_ft.manager.vote_fence). ``None`` elsewhere.
     vote_fence: VoteFence | None = None
     # The group's DDP wrapper, asked after each backward pass whether it reduced every bucket
-    # (:meth:`check_reduction_finished`). ``None``: not checked.
-    ddp: DistributedDataParallel | None = None
+    # (:meth:`check_reduction_finished`); ``None``: not checked. A weak reference: DDP's C++ reducer holds this state,
+    # and a strong one back would make a cycle through C++ that the garbage collector cannot break, keeping every
+    # fit's model, Manager and process group (a listening port each) alive after the fit.
+    ddp: weakref.ReferenceType[DistributedDataParallel] | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -100,8 +103,9 @@ class FTCommState:
         """Raise :class:`~lightning_ft.step.unfinished_reduction.UnusedParameterError` if the latest backward pass
         left buckets that this hook never saw (a parameter without a gradient under ``find_unused_parameters=False``):
         their gradients crossed no group, and the step must not commit."""
-        if self.ddp is not None:
-            check_reduction_finished(self.ddp)
+        ddp = self.ddp() if self.ddp is not None else None
+        if ddp is not None:
+            check_reduction_finished(ddp)
 
     def take_collective_count(self) -> int:
         """How many cross-group collectives the current step launched; the count starts over."""
@@ -249,7 +253,7 @@ def install_ddp_cross_group_hook(
         before_allreduce=protocol.before_cross_group_allreduce,
         step_deadline=_step_deadline(manager) if over_nccl else None,
         vote_fence=VoteFence(device) if over_nccl and device.type == "cuda" else None,
-        ddp=model,
+        ddp=weakref.ref(model),
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     protocol.vote_fence = state.vote_fence
