@@ -377,8 +377,10 @@ class FTStrategy(FTStrategyArguments):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """As ``DDPStrategy``'s; then the step owner marks what the step's vote waits for (automatic optimization)."""
+        """As ``DDPStrategy``'s; then what the group left out gets the job's average; the vote's fence is marked."""
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._comm_state is not None:  # lightning_ft.step.left_out_parameters
+            self._comm_state.backward_done()
         if self._fit is not None and isinstance(self._fit.owner, StepOwner) and self._module.automatic_optimization:
             self._fit.owner.backward_done(closure_loss, self._comm_state)  # the loss as given: before any scaling
         return output
@@ -468,8 +470,7 @@ class FTStrategy(FTStrategyArguments):
     # ------------------------------------------------------------------ the end
     @override
     def on_train_end(self) -> None:
-        """Record the job's end; the ``finished`` event, with the final state's fingerprint when the event log was
-        asked for (the fault tests; never by default: with FSDP it gathers the whole state)."""
+        """Record the job's end; the ``finished`` event, with the state's fingerprint if asked (FSDP gathers it)."""
         trainer = self._module.trainer
         if self._lifecycle is not None and self._fit is not None and self._fit.protocol is not None:
             self._lifecycle.record_the_end(trainer, self.manager.current_step())
@@ -485,8 +486,7 @@ class FTStrategy(FTStrategyArguments):
 
     @override
     def teardown(self) -> None:
-        """As ``DDPStrategy``'s; then restore the job-shard variables, undo the loop patches and the SIGTERM handler,
-        and shut this group's Manager down (its servers and lighthouse connection)."""
+        """As ``DDPStrategy``'s; then restore the job-shard variables, undo the patches, shut the Manager down."""
         super().teardown()
         if self._environment_before is not None:
             forget_job_shard(self._environment_before)

@@ -16,6 +16,8 @@ from torch.serialization import _load as load_from_zip_file
 __all__ = [
     "PRIVATE_USES",
     "PseudoZipFile",
+    "ddp_group_usage",
+    "ddp_reduced_parameters",
     "ddp_reduction_pending",
     "fused_copy",
     "load_from_zip_file",
@@ -46,6 +48,10 @@ PRIVATE_USES = {
     "_rebuild_buckets": "same",
     "_check_reducer_finalized": "whether DDP reduced every gradient bucket of the backward pass before the step's "
     "vote; a public query of the reducer's state",
+    "_build_params_for_reducer": "the parameters DDP reduces, in its reducer's index order (to name one DDP lists by "
+    "index, and to find one a group left out); a public list of DDP's reduced parameters",
+    "_get_local_used_map": "how many processes of DDP's group used each parameter in the latest reduced backward "
+    "pass (a parameter a whole group left out); same",
     # manager/listeners.py: a Gloo process group bound to the advertised address
     "_create_pg": "torchft's ProcessGroupGloo builds its group here (torch's Gloo, bound to one address); a bind "
     "address option",
@@ -93,3 +99,18 @@ def ddp_reduction_pending(model: Any) -> str | None:
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def ddp_reduced_parameters(model: Any) -> list[torch.Tensor]:
+    """The parameters DDP ``model`` reduces, in its reducer's index order (the indices of DDP's messages and of
+    :func:`ddp_group_usage`): module by module, each module's own trainable parameters that DDP does not ignore, a
+    shared one at its first place only."""
+    return list(model._build_params_for_reducer()[0])
+
+
+def ddp_group_usage(model: Any) -> torch.Tensor:
+    """With ``find_unused_parameters=True``: for each parameter of :func:`ddp_reduced_parameters`, how many processes
+    of DDP's process group used it in the backward passes of the latest reduction (0: the whole group left it out).
+    Read after the backward pass: DDP has then waited for this count's allreduce wherever a process left a parameter
+    out (elsewhere every count is at least 1 however far the allreduce got)."""
+    return model.reducer._get_local_used_map()

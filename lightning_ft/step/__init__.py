@@ -8,6 +8,8 @@
 * :mod:`.gated_optimizer`: :class:`~.gated_optimizer.CommitGatedOptimizer`, the optimizer the precision plugin steps,
   which steps only when the group's vote commits.
 * :mod:`.gradient_hooks`: the DDP comm hook and the FSDP2 all-reduce hook that average gradients across groups.
+* :mod:`.left_out_parameters`: a parameter that a whole group left out of a step takes the job's average from its
+  DDP bucket, as in every other group (``find_unused_parameters=True``).
 * :mod:`.collectives`: job-wide reductions (metrics, ``reduce_boolean_decision``) in sync sections.
 
 Per-step training goes through the owner; the semi-synchronous syncs call the protocol themselves. Nothing else opens a

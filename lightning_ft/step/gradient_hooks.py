@@ -51,6 +51,7 @@ from lightning_ft.manager.internals import (
 from lightning_ft.manager.vote_fence import VoteFence
 from lightning_ft.manager.vote_inputs import host_copy
 from lightning_ft.process_group.step_deadline import StepDeadline
+from lightning_ft.step.left_out_parameters import LeftOutParameters
 from lightning_ft.step.protocol import StepProtocol
 from lightning_ft.step.unfinished_reduction import check_reduction_finished
 from lightning_ft.torch_internals import non_finite_check_and_unscale, rebuild_ddp_buckets
@@ -77,6 +78,9 @@ class FTCommState:
     # and a strong one back would make a cycle through C++ that the garbage collector cannot break, keeping every
     # fit's model, Manager and process group (a listening port each) alive after the fit.
     ddp: weakref.ReferenceType[DistributedDataParallel] | None = None
+    # With the unused-parameter search: the parameters a whole group left out of a step take the job's average from
+    # their buckets after the backward pass (lightning_ft.step.left_out_parameters). ``None`` without the search.
+    left_out: LeftOutParameters | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
     # takes the result (see ``take_gradient_check``); DDP has waited for every bucket's future by then.
@@ -106,6 +110,12 @@ class FTCommState:
         ddp = self.ddp() if self.ddp is not None else None
         if ddp is not None:
             check_reduction_finished(ddp)
+
+    def backward_done(self) -> None:
+        """After every backward pass (``FTStrategy.backward``): the parameters this group left out of a step that
+        reduced the buckets get the job's average, as in every other group."""
+        if self.left_out is not None:
+            self.left_out.give_average()
 
     def take_collective_count(self) -> int:
         """How many cross-group collectives the current step launched; the count starts over."""
@@ -140,6 +150,8 @@ def ft_allreduce_hook(state: FTCommState, bucket: dist.GradBucket) -> torch.futu
     it (``should_commit()`` will say no), and the future completes with the bucket's (garbage) contents.
     """
     state.before_allreduce()
+    if state.left_out is not None:
+        state.left_out.saw(bucket)
     buffer = bucket.buffer()
     if state.group_world_size > 1:
         dist.all_reduce(buffer, group=state.group)
@@ -254,6 +266,7 @@ def install_ddp_cross_group_hook(
         step_deadline=_step_deadline(manager) if over_nccl else None,
         vote_fence=VoteFence(device) if over_nccl and device.type == "cuda" else None,
         ddp=weakref.ref(model),
+        left_out=LeftOutParameters(model) if model.find_unused_parameters else None,
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     protocol.vote_fence = state.vote_fence

@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from lightning_ft.errors import UnsupportedModelError
-from lightning_ft.torch_internals import ddp_reduction_pending
+from lightning_ft.torch_internals import ddp_reduced_parameters, ddp_reduction_pending
 
 FIX = (
     "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in every training step's "
@@ -62,26 +62,15 @@ def check_reduction_finished(model: Any) -> None:
 
 
 def _named(model: Any, ddp_message: str) -> str:
-    """`` (net.2.bias)``: the parameters DDP's message lists by index, named; empty if it lists none.
-
-    DDP indexes the parameters it reduces in the order it collects them (``DistributedDataParallel.
-    _build_params_for_reducer``): module by module, each module's own trainable parameters not in
-    ``parameters_to_ignore``, a shared one at its first place only."""
+    """`` (net.2.bias)``: the parameters DDP's message lists by index (its reducer's index order), named; empty if it
+    lists none."""
     listed = _DDP_INDICES.search(ddp_message)
     if listed is None:
         return ""
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    reduced: list[str] = []
-    seen: set[int] = set()
-    for module_name, module in model.module.named_modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            qualified = f"{module_name}.{name}" if module_name else name
-            if parameter.requires_grad and qualified not in ignored and id(parameter) not in seen:
-                seen.add(id(parameter))
-                reduced.append(qualified)
+    names = {id(parameter): name for name, parameter in model.module.named_parameters()}
+    reduced = [names.get(id(parameter), "?") for parameter in ddp_reduced_parameters(model)]
     indices = [int(index) for index in listed.group(1).split()]
-    names = [reduced[index] if index < len(reduced) else f"index {index}" for index in indices]
-    return f" ({', '.join(names)})"
+    return f" ({', '.join(reduced[index] if index < len(reduced) else f'index {index}' for index in indices)})"
 
 
 def reword_ddp_reduction_error(exception: BaseException) -> None:

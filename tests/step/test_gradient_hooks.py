@@ -362,6 +362,54 @@ def test_a_backward_pass_that_leaves_a_parameter_out_is_named_before_the_vote():
         check_reduction_finished(model)
 
 
+@pytest.mark.parametrize("as_views", [True, False], ids=["views", "copies"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeroed"])
+def test_a_parameter_the_whole_group_left_out_takes_its_buckets_average(as_views: bool, set_to_none: bool):
+    """``find_unused_parameters=True``: DDP leaves a parameter its whole group left out untouched (``None``, or the
+    zeros ``zero_grad(set_to_none=False)`` left), while another group would apply the cross-group average from the
+    same bucket slot. A stand-in cross-group hook writes a known average (7) into every bucket; after the backward
+    pass the left-out bias holds it too, as the used parameters do, with gradients as views and as copies. Without
+    :meth:`LeftOutParameters.give_average` the bias keeps ``None`` or zeros and three cases fail; the fourth (views
+    of the bucket, zeroed not ``None``) holds without it, as the module says: such a gradient is the slot itself."""
+    from lightning_ft.step.left_out_parameters import LeftOutParameters
+
+    group = _standalone_gloo_group()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Linear(4, 4)
+            self.last = torch.nn.Linear(4, 1)
+            self.skip = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.first(x)
+            return torch.nn.functional.linear(hidden, self.last.weight) if self.skip else self.last(hidden)
+
+    net = Net()
+    model = torch.nn.parallel.DistributedDataParallel(
+        net, process_group=group, find_unused_parameters=True, gradient_as_bucket_view=as_views
+    )
+    left_out = LeftOutParameters(model)
+
+    def stand_in_average(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+        left_out.saw(bucket)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer().fill_(7.0))
+        return done
+
+    model.register_comm_hook(None, stand_in_average)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for skip in (False, True, False, True):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        net.skip = skip
+        model(torch.randn(2, 4)).sum().backward()
+        left_out.give_average()
+        for name, parameter in net.named_parameters():
+            assert parameter.grad is not None, name
+            assert bool((parameter.grad == 7.0).all()), f"{name}: {parameter.grad}"
+
+
 def test_ddp_s_own_complaint_names_ft_strategy_s_setting_not_ddp_strategy_s():
     """Where no vote checks first (a semi-synchronous inner step), DDP raises at the next forward pass and Lightning's
     DDPStrategy rewords it to name ``DDPStrategy(find_unused_parameters=True)``; FTStrategy's message names its own

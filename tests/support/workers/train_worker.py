@@ -668,6 +668,9 @@ def main() -> None:
         "--find-unused-parameters", type=int, default=None, help="FTStrategy(find_unused_parameters=...): 0 or 1"
     )
     parser.add_argument(
+        "--gradient-as-bucket-view", type=int, default=None, help="FTStrategy(gradient_as_bucket_view=...): 0 or 1"
+    )
+    parser.add_argument(
         "--die-after-joining",
         default=None,
         metavar="G:A",
@@ -757,6 +760,8 @@ def main() -> None:
         algorithm["buffer_sync"] = args.buffer_sync
     if args.find_unused_parameters is not None:
         algorithm["find_unused_parameters"] = bool(args.find_unused_parameters)
+    if args.gradient_as_bucket_view is not None:
+        algorithm["gradient_as_bucket_view"] = bool(args.gradient_as_bucket_view)
     if args.data_parallel != "ddp":  # only passed when set, as above
         algorithm["data_parallel"] = args.data_parallel
         if args.fsdp_wrap:

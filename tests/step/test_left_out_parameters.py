@@ -1,0 +1,119 @@
+"""A replica group that leaves a parameter out of a training step's loss, under FTStrategy's default
+``find_unused_parameters=True``: every group applies the job's average gradient to it, so the job stays one model.
+
+DDP alone leaves a parameter that its whole process group left out untouched (its gradient ``None``), while the
+groups that used it apply the cross-group average: without :mod:`lightning_ft.step.left_out_parameters` the
+replicas part at that step (measured: the replica consistency check stops the job at its end, ``exp_avg`` and the
+bias differ).
+
+Real jobs (a real lighthouse, torchrun groups of one process); the worker's last layer leaves its bias out of the
+loss at one global step, in one group or in both. Generated: every group as the one that leaves it out and as the
+one that keeps it, and both, at the first, a middle and the last step; with gradients as views of DDP's buckets
+(FTStrategy's default) and as copies (``gradient_as_bucket_view=False``, where DDP's count of the group's uses tells
+what was left out). Each asserts every step committed with both groups, two bit-identical replicas at
+``max_steps``, and plain SGD's replay in one process: the average over both groups' mean losses, the dropping
+groups' without the bias. Where every group leaves the bias out, the rule gives it a zero gradient (DDP alone would
+leave it ``None``): those cases train with AdamW, whose step count and weight decay show the difference, and the
+replay applies the same rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import LaunchedJob, assert_bit_identical
+from test_fault_tolerance import GATES, start_together
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+MAX_STEPS = 12
+GROUPS = 2
+SEED, LR = 5, 0.1
+CASES = [
+    (dropping, step, view)
+    for view in (True, False)
+    for dropping in ((0,), (1,), (0, 1))
+    for step in (0, 6, MAX_STEPS - 1)
+]
+# `make test` (close to its 20-minute budget) runs two: each group as the dropping one, each gradient layout;
+# `make test-extra` all.
+IN_MAKE_TEST = {((1,), 6, True), ((0,), 0, False)}
+
+
+@pytest.mark.parametrize(
+    ("dropping", "step", "view"),
+    [
+        pytest.param(
+            *case,
+            marks=() if case in IN_MAKE_TEST else pytest.mark.paths,
+            id=f"groups{''.join(map(str, case[0]))}-step{case[1]}-{'views' if case[2] else 'copies'}",
+        )
+        for case in CASES
+    ],
+)
+def test_a_parameter_left_out_by_a_group_gets_the_jobs_average(
+    launch, dropping: tuple[int, ...], step: int, view: bool
+) -> None:
+    optimizer = "adamw" if len(dropping) == GROUPS else "sgd"  # plain SGD steps a zero gradient as a missing one
+    job = launch(
+        groups=GROUPS,
+        worker_args=[
+            f"--max-steps={MAX_STEPS}",
+            f"--optimizer={optimizer}",
+            f"--lr={LR}",
+            f"--seed={SEED}",
+            "--index-data=4096",
+            f"--gradient-as-bucket-view={int(view)}",
+            f"--unused-bias-at-step={step}",
+            f"--unused-bias-groups={','.join(map(str, dropping))}",
+            *GATES,
+        ],
+    )
+    start_together(job, groups=GROUPS, nproc=1)
+    assert job.wait_exit() == 0, job.tail()
+    committed = job.events("step", committed=True)
+    assert all(event["participants"] == GROUPS for event in committed), f"a group sat a step out\n{job.tail()}"
+
+    states = job.final_states()
+    assert sorted(states) == [(group, 0) for group in range(GROUPS)], job.tail()
+    for key, state in states.items():
+        assert state["manager_step"] == MAX_STEPS, f"{key}: manager step {state['manager_step']} != {MAX_STEPS}"
+    assert_bit_identical(states, GROUPS)
+
+    expected = _replay(job, dropping, step, optimizer)
+    model = states[(0, 0)]["model"]
+    for name, tensor in expected.items():
+        torch.testing.assert_close(model[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _replay(job: LaunchedJob, dropping: tuple[int, ...], dropped_step: int, name: str) -> dict[str, torch.Tensor]:
+    """One process, the worker's optimizer and schedule: at each committed step the mean of both groups' mean losses
+    on the samples each group trained on, a dropping group's without the last layer's bias (a zero gradient for it
+    when no group used it)."""
+    from workers.train_worker import Regressor, dataset
+
+    torch.manual_seed(SEED)
+    reference = Regressor(lr=LR, optimizer=name)
+    parameters = reference.parameters()
+    optimizer = torch.optim.SGD(parameters, lr=LR) if name == "sgd" else torch.optim.AdamW(parameters, lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+    data = dataset(4096)
+    last = reference.net[-1]
+    for step in range(MAX_STEPS):
+        losses = []
+        for group in range(GROUPS):
+            records = job.events("batch", group=group, rank=0, step=step + 1, committed=True)
+            assert len(records) == 1, f"group {group}, step {step}: {records}"
+            x, y = data[records[0]["ids"]]
+            if group in dropping and step == dropped_step:
+                prediction = torch.nn.functional.linear(reference.net[:-1](x), last.weight)
+            else:
+                prediction = reference.net(x)
+            losses.append(torch.nn.functional.mse_loss(prediction, y))
+        optimizer.zero_grad()
+        (sum(losses) / GROUPS).backward()
+        if last.bias.grad is None:  # every group left it out
+            last.bias.grad = torch.zeros_like(last.bias)
+        optimizer.step()
+        scheduler.step()
+    return {name: tensor for name, tensor in reference.state_dict().items() if name.startswith("net.")}
