@@ -95,7 +95,8 @@ def test_without_a_gpu_it_says_so_and_where_to_measure_instead():
 
 @pytest.mark.timeout(240)
 def test_the_whole_script_runs_on_the_cpu_with_a_tiny_model(tmp_path):
-    """``--tiny``: the same driver, workers, Trainers and profiler, with a small MLP on the CPU (no GPU figures)."""
+    """``--tiny``: the same driver, workers, Trainers and profiler, with a small MLP on the CPU (no GPU figures); the
+    profiler runs in the ``plain`` worker only (torch's profiler beside torchft's threads on the CPU: gpu_step.py)."""
     out = tmp_path / "tiny.json"
     gpu_step.main(
         [
@@ -106,6 +107,7 @@ def test_the_whole_script_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     [run] = json.loads(out.read_text())["runs"]
     assert sorted(record["mode"] for record in run) == ["ft", "plain"]
     assert all(record["step_ms"] > 0 for record in run)
-    assert all(record["implicit_syncs_per_step"] is not None and record["top_cpu_ms_per_step"] for record in run), (
+    profiled = {record["mode"]: record for record in run}["plain"]
+    assert profiled["implicit_syncs_per_step"] is not None and profiled["top_cpu_ms_per_step"], (
         "the profiled steps were never closed"
     )
