@@ -90,7 +90,8 @@ PRIVATE_USES = {
     "_launcher": "same",
     "_setup_model": "leave a model frozen at the start unwrapped (strategy.py); a DDP-wrapping hook",
     "_register_ddp_hooks": "the cross-group comm hook in place of Lightning's (strategy.py); a comm-hook hook",
-    "_ddp_kwargs": "the DDP arguments, in the strategy's contract across groups (strategy.py); a ddp_kwargs property",
+    "_ddp_kwargs": "the DDP arguments, in the strategy's contract across groups (strategy.py), "
+    "find_unused_parameters resolved per model; a ddp_kwargs property",
 }
 
 
@@ -180,6 +181,12 @@ def run_on_before_batch_transfer(module: pl.LightningModule, batch: Any, dataloa
 def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
     """Make ``mesh`` the module's ``device_mesh``, as Lightning's ModelParallelStrategy does."""
     module._device_mesh = mesh
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The DDP strategy's keyword arguments for torch's ``DistributedDataParallel`` (the dict itself: a setting
+    resolved per model is written into it before DDP wraps the model)."""
+    return strategy._ddp_kwargs
 
 
 def layer_sync(strategy: Any) -> Any:

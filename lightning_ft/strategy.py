@@ -299,7 +299,7 @@ class FTStrategy(FTStrategyArguments):
     def _setup_model(self, model: Module) -> DistributedDataParallel:  # or the model as it is
         """torch's DDP refuses a model with no trainable parameter (frozen at the start): it stays unwrapped."""
         self._frozen_at_start = not any(parameter.requires_grad for parameter in model.parameters())
-        return model if self._frozen_at_start else super()._setup_model(model)  # type: ignore[return-value]
+        return model if self._frozen_at_start else super()._setup_model(self._choose_unused_search(model))  # type: ignore[return-value]
 
     @override
     def _register_ddp_hooks(self) -> None:

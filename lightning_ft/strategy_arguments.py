@@ -17,8 +17,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn import Module
 
-from lightning_ft import loop_patches
+from lightning_ft import lightning_internals, loop_patches
 from lightning_ft.algorithms import OuterOptimizerFactory
 from lightning_ft.checkpoint_io import AtomicCheckpointIO
 from lightning_ft.configuration import resolve_configuration
@@ -36,6 +37,7 @@ from lightning_ft.settings import (
 from lightning_ft.signals import SigtermDeadline
 from lightning_ft.start.lifecycle import GroupLifecycle
 from lightning_ft.step.gradient_hooks import FTCommState
+from lightning_ft.step.left_out_parameters import search_for_unused_parameters
 
 
 class FTStrategyArguments(DDPStrategy):
@@ -145,9 +147,11 @@ class FTStrategyArguments(DDPStrategy):
             5 % of a 50M-parameter step on CPU (``docs/benchmarks.md``) and one gradient-sized buffer less. Set
             ``False`` for code that replaces ``param.grad`` tensors or detaches them in place, which DDP refuses with
             views.
-        find_unused_parameters: DDP only: torch DDP's setting. ``None``: ``True`` (``docs/configuration.md`` says
-            why), and torch's note that the search found nothing, about a setting the user never made, is kept off the
-            terminal (one line of FTStrategy's says why instead). An explicit value wins, and keeps torch's note.
+        find_unused_parameters: DDP only: torch DDP's setting. ``None``: chosen per model, ``False`` where the
+            gradients make one bucket, ``True`` otherwise and with LocalSGD or DiLoCo (``docs/configuration.md`` says
+            why); where it chose the search, torch's note that it found nothing is kept off the terminal (one line of
+            FTStrategy's says why instead). An explicit value wins, and keeps torch's note. Either way a step may leave
+            parameters out: each group gives them the average of the groups that used them, zeros where none did.
         accelerator: As ``DDPStrategy``'s (Lightning sets it from the Trainer's ``accelerator``).
         parallel_devices: As ``DDPStrategy``'s: this group's devices (Lightning sets them from ``devices``).
         cluster_environment: As ``DDPStrategy``'s: how this group's processes find each other (torchrun, SLURM, ...).
@@ -231,6 +235,7 @@ class FTStrategyArguments(DDPStrategy):
         # Until the first training forward pass: torch's note about the search FTStrategy chose is kept off the
         # terminal there (lightning_ft.step.unused_parameter_note); no later step pays for it.
         self._torch_note_pending = configuration.unused_search_by_default
+        self._unused_search_by_default = configuration.unused_search_by_default
         # Open while a heal builds or restores Lightning's checkpoint: the checkpoint methods then serve this
         # process's own state (lightning_ft.heal.state).
         self.heal_mode = HealCheckpointMode()
@@ -244,6 +249,17 @@ class FTStrategyArguments(DDPStrategy):
         self._frozen_at_start = False
         # The job-shard variables as they were before this fit published its own (restored at teardown).
         self._environment_before: dict[str, str | None] | None = None
+
+    def _choose_unused_search(self, model: Module) -> Module:
+        """Resolve ``find_unused_parameters`` for ``model`` before DDP wraps it; returns ``model``. The default
+        (``None``) searches only where the search buys overlap (:mod:`lightning_ft.step.left_out_parameters`)."""
+        kwargs = lightning_internals.ddp_kwargs(self)
+        search = search_for_unused_parameters(
+            model, kwargs, chosen_by_default=self._unused_search_by_default, per_step=not self.algorithm.semi_sync
+        )
+        kwargs["find_unused_parameters"] = search
+        self._torch_note_pending = search and self._unused_search_by_default
+        return model
 
 
 #: FTStrategy's own arguments, by name: the constructor hands them to :mod:`lightning_ft.configuration`, the rest

@@ -360,13 +360,20 @@ def run(args: argparse.Namespace) -> int:
         return 130
     failed = [group for group in groups if group.group_id in job.failed]
     for group in failed:
-        said = errors.get(group.group_id, [])
-        first = f". Its first error: {said[0].rstrip('.')}" if len(said) == 2 and said[0] != said[1] else ""
-        print(
-            f"lightning-ft launch: replica group {group.group_id} failed (exit code {group.process.returncode}) after "
-            f"using up --max-restarts={args.max_restarts}; its output is above, prefixed [group {group.group_id}]"
-            + (f"{first}. Its last error: {said[-1]}" if said else "."),
-            file=sys.stderr,
-            flush=True,
+        summary = failure_summary(
+            group.group_id, group.process.returncode, args.max_restarts, errors.get(group.group_id)
         )
+        print(summary, file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def failure_summary(group_id: int, exit_code: int | None, max_restarts: int, said: list[str] | None) -> str:
+    """The line that closes a failed group's story: its exit, and its first and last lightning-ft errors
+    (``said``, as :func:`_relay_output` keeps them), the first only where it differs."""
+    said = said or []
+    first = f". Its first error: {said[0].rstrip('.')}" if len(said) == 2 and said[0] != said[1] else ""
+    return (
+        f"lightning-ft launch: replica group {group_id} failed (exit code {exit_code}) after using up "
+        f"--max-restarts={max_restarts}; its output is above, prefixed [group {group_id}]"
+        + (f"{first}. Its last error: {said[-1]}" if said else ".")
+    )

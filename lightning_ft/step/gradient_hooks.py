@@ -78,8 +78,8 @@ class FTCommState:
     # and a strong one back would make a cycle through C++ that the garbage collector cannot break, keeping every
     # fit's model, Manager and process group (a listening port each) alive after the fit.
     ddp: weakref.ReferenceType[DistributedDataParallel] | None = None
-    # With the unused-parameter search: the parameters a whole group left out of a step take the job's average from
-    # their buckets after the backward pass (lightning_ft.step.left_out_parameters). ``None`` without the search.
+    # The parameters a group left out of a step take the job's average after the backward pass
+    # (lightning_ft.step.left_out_parameters). ``None``: not handled (tests of the hook alone).
     left_out: LeftOutParameters | None = None
     # Buckets of the current step checked by the completion callbacks, and their flag (per device, a 1-element
     # float32 tensor as the fused kernel wants): non-zero once any bucket held an inf or NaN. The optimizer step
@@ -112,8 +112,8 @@ class FTCommState:
             check_reduction_finished(ddp)
 
     def backward_done(self) -> None:
-        """After every backward pass (``FTStrategy.backward``): the parameters this group left out of a step that
-        reduced the buckets get the job's average, as in every other group."""
+        """After every backward pass (``FTStrategy.backward``): the parameters this group left out of the step get the
+        job's average, as in every other group."""
         if self.left_out is not None:
             self.left_out.give_average()
 
@@ -266,7 +266,7 @@ def install_ddp_cross_group_hook(
         step_deadline=_step_deadline(manager) if over_nccl else None,
         vote_fence=VoteFence(device) if over_nccl and device.type == "cuda" else None,
         ddp=weakref.ref(model),
-        left_out=LeftOutParameters(model) if model.find_unused_parameters else None,
+        left_out=LeftOutParameters(model),
     )
     model.register_comm_hook(state, ft_allreduce_hook)
     protocol.vote_fence = state.vote_fence

@@ -1,24 +1,24 @@
 """A step whose backward pass left gradients out of DDP's reduction is never committed, and DDP's own complaint about
 it names FTStrategy's setting.
 
-With ``FTStrategy(find_unused_parameters=False)`` DDP reduces a gradient bucket once every parameter in it has its
-gradient, and launches the buckets in order. A training step whose loss leaves a parameter out (a branch not taken,
-a layer skipped for one batch) leaves that bucket, and every bucket after it, unreduced: the communication hook never
-runs for them, so their gradients cross neither the group nor the replica groups. DDP only says so at the next
-forward pass ("Expected to have finished reduction in the prior iteration"), after the optimizer has stepped: each
-group would have applied its own gradients and committed the step, and the job would hold one model per group.
+Without DDP's search (``find_unused_parameters=False``, FTStrategy's choice for a model of one bucket) DDP reduces a
+gradient bucket once every parameter in it has its gradient, and launches the buckets in order. A training step
+whose loss leaves a parameter out leaves that bucket, and every bucket after it, unreduced: the communication hook
+never runs for them, so their gradients cross neither the group nor the replica groups. DDP only says so at the
+next forward pass ("Expected to have finished reduction in the prior iteration"), after the optimizer has stepped:
+each group would have applied its own gradients and committed the step, and the job would hold one model per group.
 
-So the step owner asks DDP after the step's backward pass, before the vote and before every later optimizer of the
-same step (:func:`check_reduction_finished`). An unfinished reduction raises :class:`UnusedParameterError` in this
-process before it votes: its group does not commit the step, and stops. Another group that used every parameter
-sends the bucket this group never sends; that collective fails when this process exits, or at ``timeout``, and that
-group does not commit the step either (it may go on without this group). A restart cannot help (the model does the
-same again), so the error says what to change. With ``find_unused_parameters=True`` (FTStrategy's default) DDP marks
-the missing gradients ready itself and this never happens.
+In per-step training :mod:`lightning_ft.step.left_out_parameters` completes such a reduction right after the backward
+pass, from the parameters DDP names (:func:`unreduced_indices`). The step owner still asks DDP before the vote and
+before every later optimizer of the same step (:func:`check_reduction_finished`): should a reduction remain
+unfinished (DDP named no parameter), :class:`UnusedParameterError` is raised in this process before it votes: its
+group does not commit the step, and stops. Another group that used every parameter sends the bucket this group never
+sends; that collective fails when this process exits, or at ``timeout``, and that group does not commit the step
+either (it may go on without this group).
 
 :func:`reword_ddp_reduction_error` is for the paths that do not vote per step (LocalSGD's and DiLoCo's inner steps,
-the group's own): DDP's error at the next forward pass, which Lightning's ``DDPStrategy`` rewords to name its own
-setting, names FTStrategy's instead.
+the group's own, which nothing completes): DDP's error at the next forward pass, which Lightning's ``DDPStrategy``
+rewords to name its own setting, names FTStrategy's instead.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.torch_internals import ddp_reduced_parameters, ddp_reduction_pending
 
 FIX = (
-    "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in every training step's "
-    "loss: set FTStrategy(find_unused_parameters=True) (the default) for a model that leaves some out, or make its "
-    "loss use them all."
+    "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in the loss of every "
+    "LocalSGD or DiLoCo inner step: leave find_unused_parameters at its default (None) or set it to True for a model "
+    "that leaves some out, or make its loss use them all."
 )
 
 # DDP's message (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished); the pattern Lightning's
@@ -61,15 +61,21 @@ def check_reduction_finished(model: Any) -> None:
         )
 
 
+def unreduced_indices(ddp_message: str) -> list[int] | None:
+    """The indices (in DDP's reducer order) of the parameters DDP's unfinished-reduction message lists; ``None`` if it
+    lists none."""
+    listed = _DDP_INDICES.search(ddp_message)
+    return None if listed is None else [int(index) for index in listed.group(1).split()]
+
+
 def _named(model: Any, ddp_message: str) -> str:
     """`` (net.2.bias)``: the parameters DDP's message lists by index (its reducer's index order), named; empty if it
     lists none."""
-    listed = _DDP_INDICES.search(ddp_message)
-    if listed is None:
+    indices = unreduced_indices(ddp_message)
+    if indices is None:
         return ""
     names = {id(parameter): name for name, parameter in model.module.named_parameters()}
     reduced = [names.get(id(parameter), "?") for parameter in ddp_reduced_parameters(model)]
-    indices = [int(index) for index in listed.group(1).split()]
     return f" ({', '.join(reduced[index] if index < len(reduced) else f'index {index}' for index in indices)})"
 
 

@@ -358,19 +358,26 @@ def test_a_backward_pass_that_leaves_a_parameter_out_is_named_before_the_vote():
     check_reduction_finished(model)
     net.skip = True
     model(torch.randn(2, 4)).sum().backward()
-    with pytest.raises(UnusedParameterError, match=r"\(last\.bias\).*FTStrategy\(find_unused_parameters=True\)"):
+    with pytest.raises(
+        UnusedParameterError, match=r"\(last\.bias\).*find_unused_parameters at its default \(None\) or set it to True"
+    ):
         check_reduction_finished(model)
 
 
+@pytest.mark.parametrize("search", [True, False], ids=["search", "no-search"])
 @pytest.mark.parametrize("as_views", [True, False], ids=["views", "copies"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeroed"])
-def test_a_parameter_the_whole_group_left_out_takes_its_buckets_average(as_views: bool, set_to_none: bool):
-    """``find_unused_parameters=True``: DDP leaves a parameter its whole group left out untouched (``None``, or the
-    zeros ``zero_grad(set_to_none=False)`` left), while another group would apply the cross-group average from the
-    same bucket slot. A stand-in cross-group hook writes a known average (7) into every bucket; after the backward
-    pass the left-out bias holds it too, as the used parameters do, with gradients as views and as copies. Without
-    :meth:`LeftOutParameters.give_average` the bias keeps ``None`` or zeros and three cases fail; the fourth (views
-    of the bucket, zeroed not ``None``) holds without it, as the module says: such a gradient is the slot itself."""
+def test_a_parameter_the_whole_group_left_out_takes_its_buckets_average(
+    search: bool, as_views: bool, set_to_none: bool
+):
+    """A stand-in cross-group hook writes a known average (7) into every bucket; after each backward pass every
+    parameter holds it, the last layer's bias too in the steps that leave it out, with and without DDP's search, with
+    gradients as views and as copies. A parameter frozen for a step (``requires_grad=False``, as a toggled optimizer
+    does) is left as DDP leaves it (``None`` after ``zero_grad()``). Without :meth:`LeftOutParameters.give_average`
+    the search leaves the bias ``None`` or zeroed (DDP's "globally unused", which is only the group), and without
+    the search the bucket is never reduced: every case fails but one (views of the bucket, zeroed not ``None``,
+    where such a gradient is the slot itself, as the module says)."""
+    from lightning_ft.step.gradient_hooks import pin_bucket_layout
     from lightning_ft.step.left_out_parameters import LeftOutParameters
 
     group = _standalone_gloo_group()
@@ -379,17 +386,20 @@ def test_a_parameter_the_whole_group_left_out_takes_its_buckets_average(as_views
         def __init__(self) -> None:
             super().__init__()
             self.first = torch.nn.Linear(4, 4)
+            self.middle = torch.nn.Linear(4, 4)
             self.last = torch.nn.Linear(4, 1)
             self.skip = False
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            hidden = self.first(x)
+            hidden = self.middle(self.first(x))
             return torch.nn.functional.linear(hidden, self.last.weight) if self.skip else self.last(hidden)
 
     net = Net()
     model = torch.nn.parallel.DistributedDataParallel(
-        net, process_group=group, find_unused_parameters=True, gradient_as_bucket_view=as_views
+        net, process_group=group, find_unused_parameters=search, gradient_as_bucket_view=as_views
     )
+    if not search:
+        pin_bucket_layout(model)
     left_out = LeftOutParameters(model)
 
     def stand_in_average(state, bucket):  # no annotations: DDP checks them, and this module's are strings
@@ -400,12 +410,16 @@ def test_a_parameter_the_whole_group_left_out_takes_its_buckets_average(as_views
 
     model.register_comm_hook(None, stand_in_average)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for skip in (False, True, False, True):
+    for skip, freeze in ((False, False), (True, False), (False, True), (True, True), (False, False)):
         optimizer.zero_grad(set_to_none=set_to_none)
         net.skip = skip
+        net.middle.requires_grad_(not freeze)
         model(torch.randn(2, 4)).sum().backward()
         left_out.give_average()
         for name, parameter in net.named_parameters():
+            if freeze and name.startswith("middle."):
+                assert parameter.grad is None or not set_to_none, f"{name}: frozen, yet {parameter.grad}"
+                continue
             assert parameter.grad is not None, name
             assert bool((parameter.grad == 7.0).all()), f"{name}: {parameter.grad}"
 
@@ -418,8 +432,46 @@ def test_ddp_s_own_complaint_names_ft_strategy_s_setting_not_ddp_strategy_s():
 
     ddp_says = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
     FTStrategy().on_exception(ddp_says)
-    assert "FTStrategy(find_unused_parameters=True)" in str(ddp_says)
+    assert "FTStrategy(find_unused_parameters=False)" in str(ddp_says) and "set it to True" in str(ddp_says)
     assert "DDPStrategy" not in str(ddp_says)
     other = RuntimeError("something else")
     FTStrategy().on_exception(other)
     assert str(other) == "something else"
+
+
+def test_the_default_searches_for_unused_parameters_only_where_the_buckets_can_overlap(monkeypatch):
+    """``find_unused_parameters=None``: no search for a per-step model whose gradients make one bucket (the search
+    buys no overlap there, and a step that leaves a parameter out is completed instead); the search for several
+    buckets, other dtypes beside each other, sparse gradients and semi-synchronous inner steps (DDP's alone). A user's
+    value wins, and only FTStrategy's own choice keeps torch's note about it off the terminal."""
+    from lightning_ft import FTStrategy
+    from lightning_ft.step.left_out_parameters import search_for_unused_parameters
+
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    small = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 8))  # 0.15 MB
+    large = torch.nn.Sequential(torch.nn.Linear(4096, 2048))  # 32 MiB
+    mixed = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 8).to(torch.float64))
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    kwargs = {"find_unused_parameters": True, "bucket_cap_mb": 25}
+
+    def chosen(model: torch.nn.Module, per_step: bool = True, **settings: object) -> bool:
+        return search_for_unused_parameters(model, {**kwargs, **settings}, chosen_by_default=True, per_step=per_step)
+
+    assert not chosen(small)
+    assert chosen(small, bucket_cap_mb=0.1)  # two buckets at a smaller cap
+    assert chosen(large) and chosen(mixed) and chosen(sparse)
+    assert chosen(small, per_step=False)
+    assert search_for_unused_parameters(small, kwargs, chosen_by_default=False, per_step=True)  # the user's True
+    assert not search_for_unused_parameters(
+        large, {**kwargs, "find_unused_parameters": False}, chosen_by_default=False, per_step=True
+    )
+
+    strategy = FTStrategy()
+    assert strategy._choose_unused_search(small) is small
+    assert strategy._ddp_kwargs["find_unused_parameters"] is False and not strategy._torch_note_pending
+    strategy._choose_unused_search(large)
+    assert strategy._ddp_kwargs["find_unused_parameters"] is True and strategy._torch_note_pending
+    explicit = FTStrategy(find_unused_parameters=True)
+    explicit._choose_unused_search(small)
+    assert explicit._ddp_kwargs["find_unused_parameters"] is True and not explicit._torch_note_pending

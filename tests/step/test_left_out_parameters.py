@@ -1,20 +1,24 @@
-"""A replica group that leaves a parameter out of a training step's loss, under FTStrategy's default
-``find_unused_parameters=True``: every group applies the job's average gradient to it, so the job stays one model.
+"""A replica group that leaves a parameter out of a training step's loss (a branch not taken, a layer skipped for
+one batch): every group applies the job's average gradient to it, so the job stays one model, whatever
+``find_unused_parameters`` says.
 
-DDP alone leaves a parameter that its whole process group left out untouched (its gradient ``None``), while the
-groups that used it apply the cross-group average: without :mod:`lightning_ft.step.left_out_parameters` the
-replicas part at that step (measured: the replica consistency check stops the job at its end, ``exp_avg`` and the
-bias differ).
+What each way of handling it catches (:mod:`lightning_ft.step.left_out_parameters`): with DDP's search (``True``),
+DDP alone leaves a parameter its whole process group left out untouched (its gradient ``None``) while the groups
+that used it apply the cross-group average: the replicas part at that step (measured: the replica consistency check
+stopped the job, ``exp_avg`` and the bias differ). Without the search (``False``, and the default ``None`` on this
+one-bucket MLP), DDP never reduces the bucket that holds the parameter: each group would commit its own gradients
+(measured at the sixteenth session), or stop.
 
 Real jobs (a real lighthouse, torchrun groups of one process); the worker's last layer leaves its bias out of the
-loss at one global step, in one group or in both. Generated: every group as the one that leaves it out and as the
-one that keeps it, and both, at the first, a middle and the last step; with gradients as views of DDP's buckets
-(FTStrategy's default) and as copies (``gradient_as_bucket_view=False``, where DDP's count of the group's uses tells
-what was left out). Each asserts every step committed with both groups, two bit-identical replicas at
-``max_steps``, and plain SGD's replay in one process: the average over both groups' mean losses, the dropping
-groups' without the bias. Where every group leaves the bias out, the rule gives it a zero gradient (DDP alone would
-leave it ``None``): those cases train with AdamW, whose step count and weight decay show the difference, and the
-replay applies the same rule.
+loss at one global step, in one group or in both. Generated: each setting (``None``, ``True``, ``False``); every
+group as the one that leaves it out and as the one that keeps it, and both; the first, a middle and the last step;
+with ``True``, gradients as views of DDP's buckets (FTStrategy's default) and as copies
+(``gradient_as_bucket_view=False``, where DDP's count of the group's uses tells what was left out). Each asserts
+every step committed with both groups, two bit-identical replicas at ``max_steps``, and the replay in one process:
+the average over both groups' mean losses, the dropping groups' without the bias, with plain SGD (a wrong scale
+shows). Where every group leaves the bias out, the rule gives it a zero gradient (DDP alone would leave it
+``None``): those cases train with AdamW, whose step count and weight decay show the difference, and the replay
+applies the same rule.
 """
 
 from __future__ import annotations
@@ -29,30 +33,32 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 MAX_STEPS = 12
 GROUPS = 2
 SEED, LR = 5, 0.1
+SETTINGS = {"default": None, "search": 1, "no-search": 0}  # FTStrategy(find_unused_parameters=...)
 CASES = [
-    (dropping, step, view)
-    for view in (True, False)
+    (setting, dropping, step, view)
+    for setting in SETTINGS
+    for view in ((True, False) if setting == "search" else (True,))
     for dropping in ((0,), (1,), (0, 1))
     for step in (0, 6, MAX_STEPS - 1)
 ]
-# `make test` (close to its 20-minute budget) runs two: each group as the dropping one, each gradient layout;
+# `make test` (close to its 20-minute budget) runs three: each group as the dropping one, each way, each layout;
 # `make test-extra` all.
-IN_MAKE_TEST = {((1,), 6, True), ((0,), 0, False)}
+IN_MAKE_TEST = {("default", (1,), 6, True), ("search", (0,), 0, False), ("no-search", (0,), MAX_STEPS - 1, True)}
 
 
 @pytest.mark.parametrize(
-    ("dropping", "step", "view"),
+    ("setting", "dropping", "step", "view"),
     [
         pytest.param(
             *case,
             marks=() if case in IN_MAKE_TEST else pytest.mark.paths,
-            id=f"groups{''.join(map(str, case[0]))}-step{case[1]}-{'views' if case[2] else 'copies'}",
+            id=f"{case[0]}-groups{''.join(map(str, case[1]))}-step{case[2]}-{'views' if case[3] else 'copies'}",
         )
         for case in CASES
     ],
 )
 def test_a_parameter_left_out_by_a_group_gets_the_jobs_average(
-    launch, dropping: tuple[int, ...], step: int, view: bool
+    launch, setting: str, dropping: tuple[int, ...], step: int, view: bool
 ) -> None:
     optimizer = "adamw" if len(dropping) == GROUPS else "sgd"  # plain SGD steps a zero gradient as a missing one
     job = launch(
@@ -64,6 +70,7 @@ def test_a_parameter_left_out_by_a_group_gets_the_jobs_average(
             f"--seed={SEED}",
             "--index-data=4096",
             f"--gradient-as-bucket-view={int(view)}",
+            *([] if SETTINGS[setting] is None else [f"--find-unused-parameters={SETTINGS[setting]}"]),
             f"--unused-bias-at-step={step}",
             f"--unused-bias-groups={','.join(map(str, dropping))}",
             *GATES,

@@ -88,8 +88,9 @@ def test_what_ddp_strategy_and_torch_ddp_accept_is_still_passed_on(monkeypatch):
 
 
 def test_the_unused_parameter_search_is_ftstrategys_default_and_an_explicit_choice_wins(monkeypatch):
-    """The search keeps one bucket layout in every group (docs/configuration.md); torch's note about it is silenced
-    only where FTStrategy chose it (``_torch_note_pending``, until the first forward pass)."""
+    """Until setup resolves it for the model (``_choose_unused_search``: no search on one bucket), the default is the
+    search; torch's note about it is silenced only where FTStrategy chose it (``_torch_note_pending``, until the first
+    forward pass)."""
     for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
     chosen = FTStrategy()
