@@ -30,9 +30,10 @@ from lightning_ft.errors import UnsupportedModelError
 from lightning_ft.torch_internals import ddp_reduced_parameters, ddp_reduction_pending
 
 FIX = (
-    "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in the loss of every "
-    "LocalSGD or DiLoCo inner step: leave find_unused_parameters at its default (None) or set it to True for a model "
-    "that leaves some out, or make its loss use them all."
+    "FTStrategy(find_unused_parameters=False) needs every parameter of the LightningModule in every loss whose "
+    "backward pass FTStrategy does not see (a LocalSGD or DiLoCo inner step; loss.backward() called directly instead "
+    "of self.manual_backward(loss)): leave find_unused_parameters at its default (None) or set it to True for a model "
+    "that leaves some out, call self.manual_backward, or make the loss use them all."
 )
 
 # DDP's message (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished); the pattern Lightning's
