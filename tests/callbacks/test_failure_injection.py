@@ -375,6 +375,9 @@ def test_a_silently_corrupted_replica_is_found_named_and_healed(launch, target, 
            survivors=[0, 1], detected_after_s=round(detected - injected_at(job), 2))  # fmt: skip
 
 
+# In `make test-extra` (`make test` stays under 20 minutes): a corrupted replica found by the periodic check runs in
+# `make test`.
+@pytest.mark.paths
 def test_a_divergence_after_the_last_periodic_check_is_found_at_the_last_step_before_any_final_state(launch):
     """The check runs at the job's last step as well: group 1's optimizer state changes silently at step 17, after
     the last periodic check (every 5 steps: 15), and the check at step 19 (the last) names it, before any group

@@ -270,6 +270,8 @@ def test_exactly_once_data_with_a_hot_spare_taking_a_dead_groups_place(launch):
     assert_exactly_once(contributions)
 
 
+# In `make test-extra` (`make test` stays under 20 minutes): the kills-and-late-join case above runs in `make test`.
+@pytest.mark.paths
 @pytest.mark.timeout(420)
 def test_exactly_once_data_resumed_with_fewer_and_more_groups_reads_on_where_the_checkpoint_left_off(launch, tmp_path):
     """A 2-group job commits 24 steps (48 group batches) and stops, its checkpoint at step 24. From that file alone, a

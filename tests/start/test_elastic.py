@@ -32,6 +32,8 @@ def roles(job: LaunchedJob, group: int, after: float = 0.0) -> list[Any]:
     return [e["replica_rank"] for e in job.events("quorum", group=group) if e["time"] > after]
 
 
+# In `make test-extra` (`make test` stays under 20 minutes): a late group joining runs in `make test`.
+@pytest.mark.paths
 @pytest.mark.timeout(300)
 def test_a_hot_spare_takes_a_dead_active_groups_place_at_the_same_effective_batch(launch):
     max_steps = 80

@@ -140,6 +140,9 @@ def test_a_new_run_in_the_folder_of_a_finished_run_is_a_new_job_and_trains(launc
         assert state["global_step"] == state["manager_step"] == max_steps
 
 
+# In `make test-extra` (`make test` stays under 20 minutes): a restarted group with no peer and no checkpoints,
+# which must not start the job over either, runs in `make test` (test_one_job.py).
+@pytest.mark.paths
 def test_every_group_down_at_once_without_checkpoints_never_starts_the_job_over(launch):
     """Group 0 is killed; while its restart asks to join (its floor: the job's last quorum), group 1, held between two
     batches, is killed too: every group is down and the job keeps no checkpoint. The restarts meet in a quorum of

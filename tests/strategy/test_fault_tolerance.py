@@ -207,6 +207,8 @@ def test_sigkill_during_validation_leaves_the_survivor_running(launch):
            survivors=[0])  # fmt: skip
 
 
+# In `make test-extra` (`make test` stays under 20 minutes): one group killed and healed runs in `make test`.
+@pytest.mark.paths
 def test_two_of_three_groups_killed_at_once_both_heal_from_the_third(launch):
     """3 groups × 1 process. Groups 1 and 2 are SIGKILLed at the same moment, wherever they are in a step. A quorum
     needs all 3 groups (lighthouse and ``min_replica_size``), so group 0 waits in its quorum request, commits
