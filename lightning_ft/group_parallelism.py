@@ -15,11 +15,13 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_ft.hsdp.cross_group import ShardAverage
 from lightning_ft.hsdp.data_parallel import DataParallelSettings
-from lightning_ft.hsdp.in_group import AllReduceHook, GroupFSDP
+from lightning_ft.hsdp.in_group import GroupFSDP
 
 
 class GroupParallelism(Protocol):
@@ -41,6 +43,10 @@ class GroupParallelism(Protocol):
 
     def block_backward_sync(self, strategy: DDPStrategy) -> AbstractContextManager[None]:
         """No gradient sync inside the group while accumulating."""
+        ...
+
+    def backward_done(self) -> None:
+        """After each backward pass, before the optimizer step: gradient work the data parallelism leaves to the end."""
         ...
 
     def lightning_module_state_dict(self, strategy: DDPStrategy) -> dict[str, Any]: ...
@@ -68,6 +74,9 @@ class GroupDDP:
         with DDPStrategy.block_backward_sync(strategy):
             yield
 
+    def backward_done(self) -> None:
+        """Nothing: DDP's buckets cross groups in its comm hook, which finishes them (``FTCommState.backward_done``)."""
+
     def lightning_module_state_dict(self, strategy: DDPStrategy) -> dict[str, Any]:
         return DDPStrategy.lightning_module_state_dict(strategy)
 
@@ -82,11 +91,11 @@ class GroupDDP:
 
 
 def group_parallelism(
-    settings: DataParallelSettings, cross_group_hook: Callable[[], AllReduceHook]
+    settings: DataParallelSettings, shard_average: Callable[[nn.Module], ShardAverage]
 ) -> GroupParallelism:
-    """The group's data parallelism for ``FTStrategy(data_parallel=...)``. ``cross_group_hook`` makes FSDP2's
-    all-reduce hook (DDP's comm hook is registered by the strategy's ``_register_ddp_hooks``)."""
+    """The group's data parallelism for ``FTStrategy(data_parallel=...)``. ``shard_average`` makes FSDP2's
+    cross-group average (DDP's comm hook is registered by the strategy's ``_register_ddp_hooks``)."""
     if not settings.sharded:
         return GroupDDP()
     assert settings.fsdp is not None
-    return GroupFSDP(settings.fsdp, cross_group_hook)
+    return GroupFSDP(settings.fsdp, shard_average)

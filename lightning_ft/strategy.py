@@ -43,11 +43,12 @@ from lightning_ft.errors import NotAvailableError, attached_module
 from lightning_ft.fit_parts import FitParts, build_fit_parts
 from lightning_ft.group_parallelism import GroupParallelism, group_parallelism
 from lightning_ft.heal.state import state_fingerprint
+from lightning_ft.hsdp.cross_group import ShardAverage
 from lightning_ft.manager import FTManager
 from lightning_ft.manager.telemetry import FTTelemetry
 from lightning_ft.start.job_settings import refuse_group_local_settings
 from lightning_ft.step.collectives import CrossGroupCollectives
-from lightning_ft.step.gradient_hooks import fsdp_cross_group_hook, install_ddp_cross_group_hook
+from lightning_ft.step.gradient_hooks import install_ddp_cross_group_hook
 from lightning_ft.step.modes import check_nothing_unfrozen, check_optimizers
 from lightning_ft.step.owner import StepOwner
 from lightning_ft.step.protocol import StepProtocol
@@ -80,7 +81,7 @@ class FTStrategy(FTStrategyArguments):
     @functools.cached_property
     def _in_group(self) -> GroupParallelism:
         """DDP or FSDP2 inside the group (:mod:`lightning_ft.group_parallelism`), chosen once by ``data_parallel``."""
-        return group_parallelism(self.data_parallel, self._fsdp_cross_group_hook)
+        return group_parallelism(self.data_parallel, self._shard_average)
 
     @classmethod
     @override
@@ -143,9 +144,7 @@ class FTStrategy(FTStrategyArguments):
     def device_mesh(self) -> DeviceMesh:
         """The group's 1-D mesh with ``data_parallel="fsdp"`` (also ``LightningModule.device_mesh``), else an error."""
         if self._in_group.device_mesh is None:
-            raise NotAvailableError(
-                "FTStrategy.device_mesh exists with data_parallel='fsdp', after setup_environment()."
-            )
+            raise NotAvailableError("FTStrategy.device_mesh needs data_parallel='fsdp', after setup_environment().")
         return self._in_group.device_mesh
 
     @property
@@ -291,9 +290,9 @@ class FTStrategy(FTStrategyArguments):
         if self._fit is not None:
             loop_patches.cross_groups_where_every_group_is(self._patches, trainer, self._fit.collectives)
 
-    def _fsdp_cross_group_hook(self) -> Callable[..., Any]:
-        """FSDP2's all-reduce hook: each reduced gradient shard averaged across groups, in the step's quorum."""
-        return fsdp_cross_group_hook(self.manager, before_allreduce=self.step_protocol.before_cross_group_allreduce)
+    def _shard_average(self, module: Module) -> ShardAverage:
+        """HSDP's cross-group average of the sharded ``module``'s gradients, in the step's quorum."""
+        return ShardAverage(module, self.manager, self.root_device, self.step_protocol.before_cross_group_allreduce)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:  # or the model as it is
@@ -381,6 +380,7 @@ class FTStrategy(FTStrategyArguments):
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._comm_state is not None:  # lightning_ft.step.left_out_parameters
             self._comm_state.backward_done()
+        self._in_group.backward_done()  # HSDP: lightning_ft.hsdp.cross_group
         if self._fit is not None and isinstance(self._fit.owner, StepOwner) and self._module.automatic_optimization:
             self._fit.owner.backward_done(closure_loss, self._comm_state)  # the loss as given: before any scaling
         return output

@@ -1,5 +1,6 @@
 """FSDP2 inside a replica group (``data_parallel="fsdp"``): the model is sharded over the group in place of DDP's
-wrapper, and each reduced shard is averaged across groups (HSDP, ``docs/hsdp.md``). FTStrategy delegates its
+wrapper, and each module's reduced shards are averaged across groups (HSDP, ``docs/hsdp.md``;
+:mod:`lightning_ft.hsdp.cross_group`). FTStrategy delegates its
 group-local hooks to this object (:mod:`lightning_ft.group_parallelism`), as it does to ``GroupDDP`` with DDP.
 """
 
@@ -12,17 +13,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_ft import lightning_internals
 from lightning_ft.errors import attached_module
 from lightning_ft.hsdp import full_state as sharded_checkpoint
+from lightning_ft.hsdp.cross_group import ShardAverage
 from lightning_ft.hsdp.data_parallel import FSDPSettings
-from lightning_ft.hsdp.sharding import fsdp_modules, gradient_sync_off, group_mesh, is_sharded, shard_module
-
-# The hook FSDP2 calls with each reduced gradient shard (FSDPModule.set_all_reduce_hook).
-AllReduceHook = Callable[..., Any]
+from lightning_ft.hsdp.sharding import gradient_sync_off, group_mesh, is_sharded, shard_module
 
 
 class GroupFSDP:
@@ -30,13 +30,14 @@ class GroupFSDP:
 
     Args:
         settings: The ``fsdp_*`` settings.
-        cross_group_hook: Makes the all-reduce hook that averages each reduced shard across groups; called at setup,
-            once the Manager exists (:func:`lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`).
+        shard_average: Makes the cross-group average of the sharded model's gradients; called at setup, once the
+            Manager exists (:class:`lightning_ft.hsdp.cross_group.ShardAverage`).
     """
 
-    def __init__(self, settings: FSDPSettings, cross_group_hook: Callable[[], AllReduceHook]) -> None:
+    def __init__(self, settings: FSDPSettings, shard_average: Callable[[nn.Module], ShardAverage]) -> None:
         self._settings = settings
-        self._cross_group_hook = cross_group_hook
+        self._shard_average = shard_average
+        self._average: ShardAverage | None = None
         self._mesh: DeviceMesh | None = None
 
     @property
@@ -64,15 +65,19 @@ class GroupFSDP:
             assert self._mesh is not None
             module = attached_module(strategy)
             shard_module(module, self._mesh, self._settings)
-            hook = self._cross_group_hook()
-            for fsdp_module in fsdp_modules(module):
-                fsdp_module.set_all_reduce_hook(hook)
+            self._average = self._shard_average(module)
+            self._average.install()
             strategy.setup_optimizers(trainer)
         elif not is_sharded(strategy.model):
             lightning_internals.sync_module_states(strategy.model)
         strategy.setup_precision_plugin()
         if fitting:
             lightning_internals.optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+    def backward_done(self) -> None:
+        """After each backward pass: the shards cross groups, what the group left out as zeros."""
+        if self._average is not None:
+            self._average.backward_done()
 
     @contextmanager
     def block_backward_sync(self, strategy: DDPStrategy) -> Iterator[None]:

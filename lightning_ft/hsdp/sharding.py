@@ -2,8 +2,8 @@
 
 The group's mesh is a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` over the group's own default process
 group, which never leaves the group (see :mod:`lightning_ft.strategy`). Nothing here crosses groups: FSDP2's
-all-gathers and reduce-scatters run on that mesh, and the cross-group average is FSDP2's all-reduce hook
-(:func:`~lightning_ft.step.gradient_hooks.fsdp_cross_group_hook`).
+all-gathers and reduce-scatters run on that mesh, and the cross-group average follows each module's reduction
+(:mod:`~lightning_ft.hsdp.cross_group`).
 
 Two ways to shard, never both:
 

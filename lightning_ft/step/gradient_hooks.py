@@ -1,4 +1,4 @@
-"""The communication hooks that average gradients across replica groups: one for DDP, one for FSDP2.
+"""The communication hook that averages DDP's gradient buckets across replica groups.
 
 Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
 
@@ -22,11 +22,8 @@ Why a DDP hook of our own instead of ``torchft.ddp.DistributedDataParallel``:
   synchronized the device. Multiplying by the reciprocal is what DDP's own reducer does; a separate division and sum
   cost twice as much.
 
-With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and :func:`fsdp_cross_group_hook` is FSDP2's
-all-reduce hook: it averages each rank's reduced shard with the same shard of the other groups. That is the HSDP
-pattern of torchft 0.2.0 (TorchTitan's ``set_all_reduce_hook`` over torchft's ``ManagedProcessGroup``, whose
-``allreduce`` is ``Manager.allreduce``); the hook calls the Manager directly so that it can check the step's quorum
-first, as the DDP hook does.
+With FSDP2 (``data_parallel="fsdp"``) the group reduce-scatters instead, and each module's shards cross groups in
+one fixed order: :mod:`lightning_ft.hsdp.cross_group`.
 """
 
 # No `from __future__ import annotations` here: torch's DDP inspects the hook's annotations at registration and
@@ -222,25 +219,6 @@ def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done
-
-
-def fsdp_cross_group_hook(
-    manager: Manager, before_allreduce: Callable[[], None] = lambda: None
-) -> Callable[[torch.Tensor], None]:
-    """FSDP2's all-reduce hook: average this rank's reduce-scattered gradient shard across groups, in place.
-
-    FSDP2 calls it once per ``fully_shard`` parameter group in backward, with the group-averaged flat shard of that
-    parameter group (``set_all_reduce_hook``). Rank *r* of every group holds the same shard, and torchft's
-    cross-group process group links exactly the rank-*r* processes, so the Manager's average is the job-wide
-    average. As with DDP, a cross-group failure never raises: the Manager records it, the shard holds garbage, and
-    the step does not commit.
-    """
-
-    def hook(reduce_output: torch.Tensor) -> None:
-        before_allreduce()
-        manager.allreduce(reduce_output).wait()
-
-    return hook
 
 
 def install_ddp_cross_group_hook(

@@ -23,8 +23,6 @@ from lightning_ft.heal.state import (
     state_fingerprint,
 )
 from lightning_ft.hsdp.shards import SHARD_KEY
-from lightning_ft.step.gradient_hooks import fsdp_cross_group_hook
-from lightning_ft.step.protocol import QuorumNotStartedError, StepProtocol
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -179,35 +177,6 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_shards():
 
 
 # ---------------------------------------------------------------------------------------------------- the hook
-class FailedWork:
-    """What torchft's ``Manager.allreduce`` returns when the peer died mid-allreduce: ``wait()`` has reported the
-    error to the Manager and returns False."""
-
-    def wait(self) -> bool:
-        return False
-
-
-class FakeManager:
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    def allreduce(self, tensor: torch.Tensor) -> FailedWork:
-        self.errors.append("allreduce failed")
-        return FailedWork()
-
-
-def test_fsdp_hook_survives_a_failed_cross_group_allreduce():
-    manager = FakeManager()
-    fsdp_cross_group_hook(manager)(torch.ones(4))  # type: ignore[arg-type]
-    assert manager.errors == ["allreduce failed"]
-
-
-def test_fsdp_hook_refuses_gradients_without_a_quorum():
-    protocol = StepProtocol(manager=FakeManager())  # type: ignore[arg-type]
-    with pytest.raises(QuorumNotStartedError):
-        fsdp_cross_group_hook(FakeManager(), protocol.require_quorum)(torch.ones(2))  # type: ignore[arg-type]
-
-
 class FailingWork:
     """The cross-group allreduce of a peer that died mid-collective (gloo: "Connection reset by peer")."""
 

@@ -45,6 +45,7 @@ class Regressor(pl.LightningModule):
         batchnorm: bool = False,
         optimizers: int = 1,
         unused_bias_at_step: int | None = None,
+        branch: bool = False,
     ) -> None:
         super().__init__()
         self.optimizer_count = optimizers
@@ -54,6 +55,9 @@ class Regressor(pl.LightningModule):
         # (no bias before a BatchNorm, as usual: its gradient is zero up to rounding, which Adam would amplify)
         first = torch.nn.Linear(16, hidden, bias=not batchnorm)
         self.net = torch.nn.Sequential(first, *norm, torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        # A residual branch between the hidden layer and the head, a module of its own: with it, the step of
+        # ``unused_bias_at_step`` skips the whole branch (an expert no sample reached) instead of the head's bias.
+        self.branch = torch.nn.Linear(hidden, hidden) if branch else None
         self.lr = lr
         self.optimizer_name = optimizer
         self.automatic_optimization = not manual
@@ -64,7 +68,12 @@ class Regressor(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y = batch[0], batch[1]  # an indexed dataset adds the sample ids
-        if self.global_step == self.unused_bias_at_step:  # a step in which one parameter gets no gradient
+        if self.branch is not None:  # the branch's module is left out of one step, or none
+            features = self.net[:-1](x)
+            if self.global_step != self.unused_bias_at_step:
+                features = features + self.branch(features)
+            prediction = self.net[-1](features)
+        elif self.global_step == self.unused_bias_at_step:  # a step in which one parameter gets no gradient
             last = self.net[-1]
             prediction = torch.nn.functional.linear(self.net[:-1](x), last.weight)
         else:
@@ -680,6 +689,9 @@ def main() -> None:
         "--unused-bias-at-step", type=int, default=None, help="the last layer's bias unused in this step's forward"
     )
     parser.add_argument("--unused-bias-groups", default=None, help="with --unused-bias-at-step: these groups only")
+    parser.add_argument(
+        "--branch", action="store_true", help="a residual branch module, which --unused-bias-at-step skips instead"
+    )
     parser.add_argument("--batch-sleep", type=float, default=0.0, help="sleep this long at each batch's start")
     parser.add_argument(
         "--weight-averaging", choices=["ema", "equal"], default=None, help="Lightning's EMA or equal WeightAveraging"
@@ -823,6 +835,7 @@ def main() -> None:
             if args.unused_bias_groups is None or str(group) in args.unused_bias_groups.split(",")
             else None
         ),
+        branch=args.branch,
     )
     if args.compile:  # dynamo's capture and its OptimizedModule (state-dict names with _orig_mod.); no inductor
         model.net = torch.compile(model.net, backend="eager")
