@@ -2,7 +2,8 @@
 
 ``--mode ddp``: one of 2 ranks of Lightning's ``DDPStrategy`` over Gloo, under ``torchrun``. ``--mode ft``: one
 replica group of 1 process with ``FTStrategy()`` (its defaults), under ``lightning-ft launch``; ``--mode ft_pinned``
-the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, buckets pinned in forward order),
+the same with ``FTStrategy(find_unused_parameters=False)`` (no graph traversal, buckets pinned in forward order:
+what the default chooses for a model of one bucket),
 ``--mode ft_sync`` with ``FTStrategy(use_async_quorum=False)`` (the quorum before the forward pass, not beside it).
 ``--mode ddp_torchft``: ``DDPStrategy`` as in ``ddp``, with torchft's per-step protocol beside it and no lightning-ft
 code (:class:`TorchftProtocol`): what a fault-tolerant DDP step on torchft pays as torchft ships it, quorum and vote;
@@ -33,18 +34,32 @@ from benchmarks.zoo.zoo import FLOOR_MODES, MODES, TORCHRUN_MODES
 from benchmarks.zoo.zoo_models import ZOO, ZooBatches, ZooModule
 from lightning_ft import FTStrategy
 from lightning_ft.configuration import resolve_configuration
+from lightning_ft.step.left_out_parameters import search_for_unused_parameters
 
 torch.set_num_threads(1)  # the same intra-op threads in every mode
 
+# The FTStrategy modes: its defaults; no unused-parameter search whatever the model (the default's choice for a
+# one-bucket model, such as the 0.3 M MLP); the quorum before the forward pass instead of beside it.
+FT_MODES: dict[str, dict[str, Any]] = {
+    "ft": {},
+    "ft_pinned": {"find_unused_parameters": False},
+    "ft_sync": {"use_async_quorum": False},
+}
 
-def ft_ddp_settings() -> dict[str, Any]:
-    """The keyword arguments ``FTStrategy()``, with its defaults, passes on to ``DDPStrategy`` and torch's DDP (its
-    bucket cap, the unused-parameter search, gradients as bucket views), read from FTStrategy's own resolution of its
-    arguments, so that ``ddp_as_ft`` follows any change of them."""
+
+def ft_ddp_settings(model: torch.nn.Module) -> dict[str, Any]:
+    """The keyword arguments ``FTStrategy()``, with its defaults, passes on to ``DDPStrategy`` and torch's DDP for
+    ``model`` (its bucket cap, gradients as bucket views, and the unused-parameter search it chooses for this model in
+    per-step training), read from FTStrategy's own resolution of its arguments, so that ``ddp_as_ft`` follows any
+    change of them."""
     parameters = inspect.signature(FTStrategy.__init__).parameters.values()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     defaults = {p.name: p.default for p in parameters if p.kind in named and p.name != "self"}
-    return resolve_configuration(defaults, {}).ddp_kwargs
+    kwargs = dict(resolve_configuration(defaults, {}).ddp_kwargs)
+    kwargs["find_unused_parameters"] = search_for_unused_parameters(
+        model, kwargs, chosen_by_default=True, per_step=True
+    )
+    return kwargs
 
 
 class OptimizerStepClock(pl.Callback):
@@ -163,12 +178,13 @@ def main() -> None:
 
     torchrun_mode = args.mode in TORCHRUN_MODES
     protocol = TorchftProtocol(args.accumulate, vote=args.mode == "ddp_torchft") if args.mode in FLOOR_MODES else None
+    module = ZooModule(args.model)
     if torchrun_mode:
-        as_ft = ft_ddp_settings() if args.mode in ("ddp_as_ft", "ddp_as_ft_quorum") else {}
+        as_ft = ft_ddp_settings(module) if args.mode in ("ddp_as_ft", "ddp_as_ft_quorum") else {}
         strategy: Any = DDPStrategy(process_group_backend="gloo", **as_ft)
         devices = world = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's world: zoo.py --processes
     else:
-        strategy = FTStrategy(find_unused_parameters=args.mode != "ft_pinned", use_async_quorum=args.mode != "ft_sync")
+        strategy = FTStrategy(**FT_MODES[args.mode])
         devices, world = 1, int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     spec = ZOO[args.model]
     batches = args.steps * args.accumulate
@@ -191,7 +207,7 @@ def main() -> None:
         callbacks=[clock, path, *([protocol] if protocol is not None else [])],
     )
     started = time.perf_counter()
-    trainer.fit(ZooModule(args.model), DataLoader(data, batch_size=spec.batch_size))
+    trainer.fit(module, DataLoader(data, batch_size=spec.batch_size))
     rank = trainer.global_rank if torchrun_mode else int(os.environ.get("REPLICA_GROUP_ID", "0"))
     write(
         args.out.with_name(f"{args.out.stem}.{rank}.json"),

@@ -59,3 +59,14 @@ def test_every_benchmark_process_runs_with_the_threads_the_launcher_gives_its_gr
     launched = group_environment(0, 2, "http://127.0.0.1:1", events_dir=None)
     for name, value in GROUP_THREADS.items():
         assert bench_env()[name] == value == launched[name], name
+
+
+def test_the_ft_mode_runs_ft_strategy_s_defaults_and_ddp_as_ft_its_choice_for_each_model():
+    """``ft`` is ``FTStrategy()`` as users run it: an explicit ``find_unused_parameters=True`` there (the default once)
+    measured the search on the 0.3 M MLP, where the default now chooses none; ``ddp_as_ft`` follows the same choice."""
+    from benchmarks.zoo.zoo_models import ZooModule
+    from benchmarks.zoo.zoo_worker import FT_MODES, ft_ddp_settings
+
+    assert FT_MODES["ft"] == {}
+    assert ft_ddp_settings(ZooModule("mlp-0.3m"))["find_unused_parameters"] is False
+    assert ft_ddp_settings(ZooModule("mlp-20m"))["find_unused_parameters"] is True
