@@ -53,8 +53,9 @@ WORKER = Path(__file__).with_name("zoo_worker.py")
 # DDPStrategy with torchft's per-step protocol beside it and no lightning-ft code (zoo_worker.TorchftProtocol),
 # ``ddp_quorum`` with its quorum alone: the floors under ``ft`` that ``floor_split`` reports. ``ddp_as_ft`` is
 # DDPStrategy with the DDP settings FTStrategy gives torch's DDP (its bucket cap, which makes one gradient bucket
-# where DDP's default makes two, the unused-parameter search it chooses for the model, gradients as bucket views), and ``ddp_as_ft_quorum`` the
-# same with torchft's quorum beside it: the floor with FTStrategy's buckets, above which is lightning-ft's own share.
+# where DDP's default makes two, the unused-parameter search it chooses for the model, gradients as bucket views),
+# and ``ddp_as_ft_quorum`` the same with torchft's quorum beside it: the floor with FTStrategy's buckets, above which
+# is lightning-ft's own share.
 FLOOR_MODES = {
     "ddp_torchft": "torchft's quorum and vote",
     "ddp_quorum": "torchft's quorum",

@@ -82,3 +82,11 @@ def test_a_schedule_is_the_same_for_the_same_seed_and_covers_the_neighbours():
     assert any(a.group == b.group and b.step == a.step + 1 for s in drawn for a, b in itertools.pairwise(s.kills)), (
         "a group killed again right after it rejoins"
     )
+    left_out = [s for s in drawn if s.left_out is not None]
+    assert {s.path for s in left_out} == {"ddp", "ddp-sync-pg", "hsdp"}
+    for path in ("ddp", "hsdp"):
+        assert any(s.path == path and s.left_out.step in {k.step for k in s.kills} for s in left_out), (
+            f"{path}: a kill in a step that leaves part of the model out"
+        )
+    assert any(s.left_out.step == s.max_steps - 1 for s in left_out), "the last step leaves part of the model out"
+    assert any(len(s.left_out.groups) == s.groups for s in left_out), "every group leaves it out"

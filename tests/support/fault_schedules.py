@@ -10,6 +10,10 @@ group killed again right after it rejoins included) and at a random point of its
 * ``quorum``: with the lighthouse's answer in hand, before the group acts on it (heals, joins the collective);
 * ``allreduce``: inside the step's (or the sync's) cross-group allreduce, the peers left waiting in theirs.
 
+On the per-step paths, half the schedules also have one step that some groups leave part of the model out of
+(``--unused-bias-at-step``: the last layer's bias with DDP, a residual branch, a ``fully_shard`` module of its own,
+with HSDP), often the very step a kill lands in.
+
 A schedule drawn ``with sections`` validates every ``VALIDATE_EVERY`` batches and kills inside a sync section instead:
 
 * ``section``: inside a validation's cross-group collective (group rank 0's, the rank that exchanges in sections),
@@ -48,6 +52,7 @@ PATHS = {
     "streaming_diloco": ["--algorithm=diloco", "--sync-every=4", "--fragments=2", "--async-quorum=0"],
 }
 SEMI_SYNC = ("local_sgd", "diloco", "streaming_diloco")
+PER_STEP = ("ddp", "ddp-sync-pg", "hsdp")
 POINTS = ("batch_start", "quorum", "allreduce")
 SECTION_POINT = "section"
 VALIDATE_EVERY = 4  # batches: a validation (a sync section) every few steps of a 24- to 40-step job
@@ -71,6 +76,12 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    step: int  # the global step whose forward pass leaves part of the model out
+    groups: tuple[int, ...]  # in these groups
+
+
+@dataclass(frozen=True)
 class FaultSchedule:
     seed: int
     groups: int
@@ -79,11 +90,25 @@ class FaultSchedule:
     max_steps: int
     kills: tuple[Kill, ...]
     sections: bool = False
+    left_out: LeftOut | None = None
 
     @property
     def worker_args(self) -> list[str]:
         validation = [f"--val-every={VALIDATE_EVERY}"] if self.sections else []
-        return [f"--max-steps={self.max_steps}", f"--batch-sleep={BATCH_SLEEP_S}", *PATHS[self.path], *validation]
+        left_out = []
+        if self.left_out is not None:
+            left_out = [
+                f"--unused-bias-at-step={self.left_out.step}",
+                f"--unused-bias-groups={','.join(map(str, self.left_out.groups))}",
+                *(["--branch"] if self.path == "hsdp" else []),
+            ]
+        return [
+            f"--max-steps={self.max_steps}",
+            f"--batch-sleep={BATCH_SLEEP_S}",
+            *PATHS[self.path],
+            *validation,
+            *left_out,
+        ]
 
     @property
     def launcher_args(self) -> list[str]:
@@ -104,9 +129,11 @@ class FaultSchedule:
     def describe(self) -> str:
         kills = ", ".join(f"group {k.group} rank {k.rank} at step {k.step} ({k.point})" for k in self.kills)
         validation = f", validation every {VALIDATE_EVERY} batches" if self.sections else ""
+        left_out = self.left_out
+        leaves = f", groups {list(left_out.groups)} leave a part out at step {left_out.step}" if left_out else ""
         return (
             f"seed {self.seed}: {self.groups} groups x {self.nproc} process(es), {self.path}, "
-            f"max_steps={self.max_steps}{validation}; kills: {kills}"
+            f"max_steps={self.max_steps}{validation}{leaves}; kills: {kills}"
         )
 
     def replay_command(self) -> str:
@@ -145,7 +172,11 @@ def generate(seed: int, sections: bool = False) -> FaultSchedule:
         kills.append(Kill(group, rng.randrange(nproc), max(step, previous.step if previous else 0), rng.choice(POINTS)))
     if sections:
         kills = [Kill(kill.group, 0, kill.step, SECTION_POINT) for kill in kills]
-    return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills), sections)
+    left_out = None  # drawn last, so that the draws above stay what they were before it existed
+    if path in PER_STEP and rng.random() < 0.5:
+        step = rng.choice(kills).step if rng.random() < 0.5 else rng.randrange(max_steps)
+        left_out = LeftOut(step, tuple(sorted(rng.sample(range(groups), rng.randint(1, groups)))))
+    return FaultSchedule(seed, groups, nproc, path, max_steps, tuple(kills), sections, left_out)
 
 
 def _up(job: LaunchedJob, group: int, nproc: int) -> bool:
